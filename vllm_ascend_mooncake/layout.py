@@ -1,0 +1,289 @@
+"""Describe a registered KV region exactly as the engine lays it out (pure; no torch import).
+
+A region is one tensor of the KV cache: a vLLM 0.32 per-layer view ``[num_blocks, H, N, C]`` (K and
+V fused in ``C``), one of vllm-ascend's separate K or V tensors ``[num_blocks, N, H, D]`` (or its
+flattened ``[num_blocks, N, H*D]`` form), or an MLA latent cache. The description is derived from
+the tensor's shape and strides plus what the model config says, never guessed: a tensor that does
+not match any layout the planner understands is refused with an error that says what to change.
+
+Inside a block the planner only needs to know where a head's bytes are:
+
+* ``HEAD_MAJOR`` (vLLM ``LBHNC``): ``[heads][tokens][content]``; a run of heads is one contiguous
+  byte range per block. The content of one (block, head) chunk is opaque (vLLM CPU pre-packs it),
+  so chunks are only ever moved whole.
+* ``TOKEN_MAJOR`` (vLLM ``LBNHC``, vllm-ascend NHD tensors): ``[tokens][heads][content]``; a run
+  of heads is contiguous only within one token.
+* ``LATENT`` (MLA): no head axis; a block is one unit, replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A KV tensor has a layout the planner cannot describe, or two layouts cannot be combined."""
+
+
+class BlockOrder(enum.Enum):
+    HEAD_MAJOR = "head_major"
+    TOKEN_MAJOR = "token_major"
+    LATENT = "latent"
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Byte geometry of one KV region: blocks at a fixed stride, each with the given interior.
+
+    ``head_token_bytes`` is the content of one head for one token (``C * element_size``; for a
+    latent region the whole per-token latent).
+    """
+
+    block_order: BlockOrder
+    num_blocks: int
+    block_stride: int
+    num_heads: int
+    tokens_per_block: int
+    head_token_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_heads", "tokens_per_block", "head_token_bytes"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"region {name} must be >= 1, got {getattr(self, name)}")
+        if self.block_order is BlockOrder.LATENT and self.num_heads != 1:
+            raise LayoutError(f"a latent (MLA) region has no head axis, got {self.num_heads} heads")
+        if self.block_stride < self.block_len:
+            raise LayoutError(
+                f"block stride {self.block_stride} B is smaller than the block payload "
+                f"{self.block_len} B: blocks overlap, so this is not a block-outermost layout"
+            )
+
+    @property
+    def block_len(self) -> int:
+        """Payload bytes of one block."""
+        return self.num_heads * self.tokens_per_block * self.head_token_bytes
+
+    @property
+    def head_chunk_bytes(self) -> int:
+        """Bytes of one head across a block's tokens (contiguous only when head-major)."""
+        return self.tokens_per_block * self.head_token_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token across the region's heads (contiguous only when token-major)."""
+        return self.num_heads * self.head_token_bytes
+
+    @property
+    def dense(self) -> bool:
+        """Consecutive blocks are adjacent in memory, so a run of blocks is one byte range."""
+        return self.block_stride == self.block_len
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first block's start to the last block's end (what to register)."""
+        return (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+@dataclass(frozen=True)
+class Region:
+    """A region at a concrete address in one process."""
+
+    name: str
+    base: int
+    layout: RegionLayout
+
+    def block_addr(self, block_id: int) -> int:
+        return self.base + block_id * self.layout.block_stride
+
+
+def _byte_strides(strides: Sequence[int], element_size: int) -> list[int]:
+    return [s * element_size for s in strides]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise LayoutError(message)
+
+
+def describe_vllm_layer_view(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_size: int,
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    is_mla: bool = False,
+) -> RegionLayout:
+    """Describe a vLLM 0.32 per-layer KV view ``[num_blocks, H, N, C]`` (K and V fused in C).
+
+    ``num_kv_heads`` is the number of heads this rank holds and ``block_size`` the kernel block
+    size; both come from the engine config and are checked against the tensor.
+    """
+    _require(
+        len(shape) == 4,
+        f"expected a 4-D vLLM KV view [blocks, heads, tokens, content], got shape {tuple(shape)}",
+    )
+    num_blocks, heads, tokens, content = shape
+    s_block, s_head, s_token, s_content = _byte_strides(strides, element_size)
+    _require(
+        tokens == block_size,
+        f"KV view has {tokens} tokens per block but the engine block size is {block_size}",
+    )
+    expected_heads = 1 if is_mla else num_kv_heads
+    _require(
+        heads == expected_heads,
+        f"KV view has {heads} heads but this rank should hold {expected_heads}",
+    )
+    _require(
+        s_content == element_size,
+        f"KV view content axis is not contiguous (byte stride {s_content}); layouts that split "
+        f"the content dimension are not supported",
+    )
+    head_token_bytes = content * element_size
+    if is_mla:
+        _require(
+            s_token == head_token_bytes,
+            f"MLA latent view tokens are not contiguous (byte stride {s_token}, "
+            f"expected {head_token_bytes})",
+        )
+        order = BlockOrder.LATENT
+    elif heads == 1 and s_token == head_token_bytes:
+        order = BlockOrder.HEAD_MAJOR  # one head: head-major and token-major coincide
+    elif s_token == head_token_bytes and s_head == tokens * head_token_bytes:
+        order = BlockOrder.HEAD_MAJOR
+    elif s_head == head_token_bytes and s_token == heads * head_token_bytes:
+        order = BlockOrder.TOKEN_MAJOR
+    else:
+        raise LayoutError(
+            f"KV view {tuple(shape)} with byte strides {(s_block, s_head, s_token, s_content)} is "
+            f"neither head-major (LBHNC) nor token-major (LBNHC) inside a block; set "
+            f"VLLM_KV_CACHE_LAYOUT=LBHNC (or LBNHC) for the KV connector"
+        )
+    layout = RegionLayout(
+        block_order=order,
+        num_blocks=num_blocks,
+        block_stride=s_block,
+        num_heads=heads,
+        tokens_per_block=tokens,
+        head_token_bytes=head_token_bytes,
+    )
+    return layout
+
+
+def describe_split_kv_tensor(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_size: int,
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+) -> RegionLayout:
+    """Describe one of vllm-ascend's separate K or V tensors (token-major).
+
+    Accepts ``[num_blocks, block_size, heads, head_size]`` and the flattened
+    ``[num_blocks, block_size, heads * head_size]``; the head count and head size come from the
+    config because the flattened form cannot tell them apart.
+    """
+    byte_strides = _byte_strides(strides, element_size)
+    head_token_bytes = head_size * element_size
+    if len(shape) == 4:
+        num_blocks, tokens, heads, dim = shape
+        _require(
+            heads == num_kv_heads and dim == head_size,
+            f"K/V tensor {tuple(shape)} does not hold {num_kv_heads} heads of size {head_size}",
+        )
+        _require(
+            byte_strides[3] == element_size and byte_strides[2] == head_token_bytes,
+            f"K/V tensor {tuple(shape)} heads are not contiguous within a token "
+            f"(byte strides {tuple(byte_strides)})",
+        )
+    elif len(shape) == 3:
+        num_blocks, tokens, width = shape
+        _require(
+            width == num_kv_heads * head_size,
+            f"flattened K/V tensor {tuple(shape)} last dimension {width} is not "
+            f"{num_kv_heads} heads x {head_size}",
+        )
+        _require(
+            byte_strides[2] == element_size,
+            f"flattened K/V tensor {tuple(shape)} is not contiguous in its last dimension",
+        )
+    else:
+        raise LayoutError(
+            f"expected a K or V tensor [blocks, tokens, heads, head_size] or [blocks, tokens, "
+            f"heads*head_size], got shape {tuple(shape)}"
+        )
+    _require(
+        tokens == block_size,
+        f"K/V tensor has {tokens} tokens per block but the engine block size is {block_size}",
+    )
+    _require(
+        byte_strides[1] == num_kv_heads * head_token_bytes,
+        f"K/V tensor {tuple(shape)} tokens are not contiguous within a block "
+        f"(byte strides {tuple(byte_strides)})",
+    )
+    return RegionLayout(
+        block_order=BlockOrder.TOKEN_MAJOR,
+        num_blocks=num_blocks,
+        block_stride=byte_strides[0],
+        num_heads=num_kv_heads,
+        tokens_per_block=tokens,
+        head_token_bytes=head_token_bytes,
+    )
+
+
+def describe_latent_tensor(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_size: int,
+    *,
+    block_size: int,
+) -> RegionLayout:
+    """Describe an MLA latent cache ``[num_blocks, block_size, latent]`` (vllm-ascend form)."""
+    _require(
+        len(shape) == 3,
+        f"expected an MLA latent tensor [blocks, tokens, latent], got shape {tuple(shape)}",
+    )
+    num_blocks, tokens, latent = shape
+    byte_strides = _byte_strides(strides, element_size)
+    _require(
+        tokens == block_size,
+        f"latent tensor has {tokens} tokens per block but the engine block size is {block_size}",
+    )
+    _require(
+        byte_strides[2] == element_size and byte_strides[1] == latent * element_size,
+        f"latent tensor {tuple(shape)} is not contiguous within a block "
+        f"(byte strides {tuple(byte_strides)})",
+    )
+    return RegionLayout(
+        block_order=BlockOrder.LATENT,
+        num_blocks=num_blocks,
+        block_stride=byte_strides[0],
+        num_heads=1,
+        tokens_per_block=tokens,
+        head_token_bytes=latent * element_size,
+    )
+
+
+def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "region") -> None:
+    """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head."""
+    problems = []
+    if local.block_order is not remote.block_order:
+        problems.append(
+            f"block order {remote.block_order.value} on prefill vs "
+            f"{local.block_order.value} on decode"
+        )
+    if local.tokens_per_block != remote.tokens_per_block:
+        problems.append(
+            f"block size {remote.tokens_per_block} on prefill vs {local.tokens_per_block} on decode"
+        )
+    if local.head_token_bytes != remote.head_token_bytes:
+        problems.append(
+            f"{remote.head_token_bytes} B per head per token on prefill vs "
+            f"{local.head_token_bytes} B on decode (head size or dtype differ)"
+        )
+    if problems:
+        raise LayoutError(f"{name}: " + "; ".join(problems))

@@ -1,0 +1,160 @@
+"""Fix-up kernels: the local byte permutations and copies a plan asks for, in plain torch ops.
+
+The same code runs on CPU, CUDA and NPU tensors. All operations work on flat ``uint8`` views of the
+registered storages, addressed by the absolute addresses the planner produced, so they are
+independent of dtype and of how the engine views the cache.
+
+A device may provide a faster kernel for swaps (vllm-ascend ships a fused NPU transpose): register
+it with :func:`register_swap_fast_path`. It is used only where its ``supports`` check accepts the
+memory, and tests hold it to the torch path, which stays the oracle.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .plan import RowCopies, SwapAxes
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LocalMemory:
+    """Flat ``uint8`` tensors over this process's registered storages, found by address."""
+
+    def __init__(self, buffers: Iterable[torch.Tensor]) -> None:
+        ordered = sorted(buffers, key=lambda t: t.data_ptr())
+        self._bases = [t.data_ptr() for t in ordered]
+        self._buffers = ordered
+        self._scratch = threading.local()
+        for prev, nxt in itertools.pairwise(ordered):
+            if prev.data_ptr() + prev.numel() > nxt.data_ptr():
+                raise ValueError("local memory buffers overlap; register each storage once")
+
+    @classmethod
+    def from_tensors(cls, tensors: Iterable[torch.Tensor]) -> LocalMemory:
+        """One flat byte view per distinct storage behind ``tensors`` (vLLM layers share one)."""
+        import torch
+
+        storages = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages.setdefault(storage.data_ptr(), (storage, tensor.device))
+        flats = []
+        for storage, device in storages.values():
+            flat = torch.empty(0, dtype=torch.uint8, device=device)
+            flat.set_(storage)
+            flats.append(flat)
+        return cls(flats)
+
+    @property
+    def buffers(self) -> Sequence[torch.Tensor]:
+        return self._buffers
+
+    def _locate(self, addr: int, length: int) -> tuple[torch.Tensor, int]:
+        index = bisect.bisect_right(self._bases, addr) - 1
+        if index >= 0:
+            buffer = self._buffers[index]
+            offset = addr - self._bases[index]
+            if offset + length <= buffer.numel():
+                return buffer, offset
+        raise ValueError(f"[{addr:#x}, +{length}) is not inside one registered local buffer")
+
+    def scratch(self, length: int, device: torch.device) -> torch.Tensor:
+        """A per-thread temporary of at least ``length`` bytes on ``device``, kept for reuse."""
+        import torch
+
+        buffers = self._scratch.__dict__.setdefault("by_device", {})
+        buffer = buffers.get(device)
+        if buffer is None or buffer.numel() < length:
+            buffer = torch.empty(length, dtype=torch.uint8, device=device)
+            buffers[device] = buffer
+        return buffer[:length]
+
+    def view(self, addr: int, length: int) -> torch.Tensor:
+        buffer, offset = self._locate(addr, length)
+        return buffer[offset : offset + length]
+
+    def rows(self, addr: int, rows: int, stride: int, row_bytes: int) -> torch.Tensor:
+        """A ``[rows, row_bytes]`` view with the given row stride."""
+        buffer, offset = self._locate(addr, (rows - 1) * stride + row_bytes)
+        return buffer.as_strided((rows, row_bytes), (stride, 1), buffer.storage_offset() + offset)
+
+
+@dataclass(frozen=True)
+class SwapFastPath:
+    """A device kernel for :class:`SwapAxes`; ``supports`` decides per buffer device."""
+
+    name: str
+    supports: Callable[[torch.Tensor], bool]
+    run: Callable[[LocalMemory, SwapAxes], None]
+
+
+_FAST_PATHS: list[SwapFastPath] = []
+
+
+def register_swap_fast_path(fast_path: SwapFastPath) -> None:
+    """Add a device kernel; later registrations take precedence. Idempotent by name."""
+    global _FAST_PATHS
+    _FAST_PATHS = [fp for fp in _FAST_PATHS if fp.name != fast_path.name] + [fast_path]
+
+
+def unregister_swap_fast_path(name: str) -> None:
+    global _FAST_PATHS
+    _FAST_PATHS = [fp for fp in _FAST_PATHS if fp.name != name]
+
+
+def _widest_dtype(unit: int, addrs: Sequence[int]) -> tuple[torch.dtype, int]:
+    """The widest integer type that tiles ``unit`` and every address: fewer, wider elements."""
+    import torch
+
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if unit % size == 0 and all(addr % size == 0 for addr in addrs):
+            return dtype, size
+    return torch.uint8, 1
+
+
+def swap_axes_torch(memory: LocalMemory, swap: SwapAxes) -> None:
+    """Transpose each span into a reused scratch buffer, then copy it back.
+
+    Reusing the scratch avoids faulting in fresh pages for every span, which otherwise costs more
+    than the copies themselves; viewing bytes as the widest aligned integer type cuts the number
+    of elements the strided copy walks.
+    """
+    addrs = swap.addrs.tolist()
+    dtype, size = _widest_dtype(swap.unit, addrs)
+    unit = swap.unit // size
+    for addr in addrs:
+        span = memory.view(addr, swap.span).view(dtype)
+        scratch = memory.scratch(swap.span, span.device).view(dtype)
+        scratch.view(swap.inner, swap.outer, unit).copy_(
+            span.view(swap.outer, swap.inner, unit).transpose(0, 1)
+        )
+        span.copy_(scratch)
+
+
+def apply_swaps(memory: LocalMemory, swaps: Sequence[SwapAxes]) -> None:
+    """Run a request's fix-ups in place. Call only after every pull of the request landed."""
+    for swap in swaps:
+        if not len(swap.addrs):
+            continue
+        device_buffer = memory.view(int(swap.addrs[0]), swap.span)
+        for fast_path in reversed(_FAST_PATHS):
+            if fast_path.supports(device_buffer):
+                fast_path.run(memory, swap)
+                break
+        else:
+            swap_axes_torch(memory, swap)
+
+
+def apply_row_copies(memory: LocalMemory, copies: Sequence[RowCopies]) -> None:
+    """Copy rows out of a staging buffer into KV blocks (source and destination never overlap)."""
+    for group in copies:
+        for src, dst in zip(group.src_addrs.tolist(), group.dst_addrs.tolist(), strict=True):
+            source = memory.rows(src, group.rows, group.src_stride, group.row_bytes)
+            memory.rows(dst, group.rows, group.dst_stride, group.row_bytes).copy_(source)

@@ -1,0 +1,161 @@
+"""A deliberately simple reference model of KV placement, and a numpy executor for plans.
+
+The reference holds the *full* KV content of a request, all heads, as one array
+``[regions, blocks, heads, tokens, head_token_bytes]``, and answers "which heads does rank ``r`` of
+TP ``T`` own" with the plainest rule that matches vLLM. From it, the bytes any rank must hold in any
+layout are written out directly, without the planner's arithmetic, so a plan can be checked by
+executing it on numpy buffers standing for process memories and comparing bytes exactly.
+
+It is used by the planner's property tests, by the data-path tests (to fill prefill caches) and by
+benchmarks. It imports numpy only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import BlockOrder, Region, RegionLayout
+from ..plan import RequestPlan, RowCopies, SwapAxes, TransferBatch
+
+
+def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> list[int]:
+    """Global KV heads rank ``rank`` of TP ``tp`` holds (vLLM's sharding, stated plainly)."""
+    if is_mla:
+        return [0]
+    if tp <= num_heads:
+        per_rank = num_heads // tp
+        return list(range(rank * per_rank, rank * per_rank + per_rank))
+    replicas = tp // num_heads
+    return [rank // replicas]
+
+
+def block_bytes(content: np.ndarray, order: BlockOrder) -> np.ndarray:
+    """Serialise one block's content ``[heads, tokens, head_token_bytes]`` in a block order."""
+    if order is BlockOrder.TOKEN_MAJOR:
+        return np.ascontiguousarray(content.transpose(1, 0, 2)).reshape(-1)
+    return np.ascontiguousarray(content).reshape(-1)
+
+
+@dataclass
+class ReferenceKV:
+    """Full KV content: ``data[region, block, head, token, byte]`` (uint8)."""
+
+    data: np.ndarray
+
+    @classmethod
+    def random(
+        cls,
+        num_regions: int,
+        num_blocks: int,
+        num_heads: int,
+        tokens_per_block: int,
+        head_token_bytes: int,
+        seed: int = 0,
+    ) -> ReferenceKV:
+        rng = np.random.default_rng(seed)
+        shape = (num_regions, num_blocks, num_heads, tokens_per_block, head_token_bytes)
+        return cls(rng.integers(0, 256, size=shape, dtype=np.uint8))
+
+    def expected_block(self, region: int, block: int, heads: Sequence[int], order: BlockOrder):
+        """The bytes a block holding ``heads`` of reference block ``block`` must contain."""
+        return block_bytes(self.data[region, block][list(heads)], order)
+
+    def fill(
+        self,
+        memory: np.ndarray,
+        layouts: Sequence[RegionLayout],
+        offsets: Sequence[int],
+        heads: Sequence[int],
+        block_map: Iterable[tuple[int, int]],
+    ) -> None:
+        """Write reference blocks into ``memory``: ``(local block, reference block)`` pairs."""
+        pairs = list(block_map)
+        for region, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+            for local_block, ref_block in pairs:
+                start = offset + local_block * layout.block_stride
+                memory[start : start + layout.block_len] = self.expected_block(
+                    region, ref_block, heads, layout.block_order
+                )
+
+
+class AddressSpace:
+    """Numpy buffers at fake addresses; every access must stay inside one buffer."""
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._buffers: list[np.ndarray] = []
+
+    def add(self, base: int, buffer: np.ndarray) -> None:
+        index = bisect.bisect(self._bases, base)
+        self._bases.insert(index, base)
+        self._buffers.insert(index, buffer)
+
+    def view(self, addr: int, length: int) -> np.ndarray:
+        """A writable view of ``[addr, addr + length)``; fails if it crosses a buffer boundary."""
+        index = bisect.bisect(self._bases, addr) - 1
+        if index < 0:
+            raise AssertionError(f"address {addr:#x} is below every registered buffer")
+        base, buffer = self._bases[index], self._buffers[index]
+        offset = addr - base
+        if offset + length > len(buffer):
+            raise AssertionError(
+                f"[{addr:#x}, +{length}) leaves the buffer at {base:#x} of {len(buffer)} bytes"
+            )
+        return buffer[offset : offset + length]
+
+    def strided(self, addr: int, rows: int, stride: int, row_bytes: int) -> np.ndarray:
+        """A writable ``[rows, row_bytes]`` view with the given row stride."""
+        span = self.view(addr, (rows - 1) * stride + row_bytes) if rows else self.view(addr, 0)
+        return np.lib.stride_tricks.as_strided(
+            span, shape=(rows, row_bytes), strides=(stride, 1), writeable=True
+        )
+
+
+def execute_batch(local: AddressSpace, remote: AddressSpace, batch: TransferBatch) -> None:
+    """Read each descriptor remote -> local, then run the batch's row copies."""
+    for dst, src, length in zip(batch.local_addrs, batch.remote_addrs, batch.lengths, strict=True):
+        local.view(int(dst), int(length))[:] = remote.view(int(src), int(length))
+    for copies in batch.after_landing:
+        run_row_copies(local, copies)
+
+
+def run_row_copies(memory: AddressSpace, copies: RowCopies) -> None:
+    for src, dst in zip(copies.src_addrs, copies.dst_addrs, strict=True):
+        source = memory.strided(int(src), copies.rows, copies.src_stride, copies.row_bytes).copy()
+        memory.strided(int(dst), copies.rows, copies.dst_stride, copies.row_bytes)[:] = source
+
+
+def run_swap(memory: AddressSpace, swap: SwapAxes) -> None:
+    for addr in swap.addrs:
+        span = memory.view(int(addr), swap.span)
+        swapped = span.reshape(swap.outer, swap.inner, swap.unit).transpose(1, 0, 2).copy()
+        span[:] = swapped.reshape(-1)
+
+
+def execute_plan(plan: RequestPlan, local: AddressSpace, remotes: dict[int, AddressSpace]) -> None:
+    """Run a plan the way the receiver does: every batch of every peer, then the fix-ups."""
+    for peer in plan.peers:
+        for batch in peer.batches:
+            execute_batch(local, remotes[peer.prefill_rank], batch)
+    for swap in plan.fixups:
+        run_swap(local, swap)
+
+
+def region_table(
+    name_prefix: str, base: int, layouts: Sequence[RegionLayout], gap: int = 64
+) -> tuple[list[Region], list[int]]:
+    """Place regions one after another from ``base`` in one buffer; returns regions and offsets."""
+    regions, offsets, offset = [], [], 0
+    for i, layout in enumerate(layouts):
+        regions.append(Region(f"{name_prefix}{i}", base + offset, layout))
+        offsets.append(offset)
+        offset += layout.span_bytes + gap
+    return regions, offsets
+
+
+def table_bytes(layouts: Sequence[RegionLayout], gap: int = 64) -> int:
+    return sum(layout.span_bytes + gap for layout in layouts)

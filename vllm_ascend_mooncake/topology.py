@@ -1,0 +1,208 @@
+"""Which prefill ranks each decode rank reads, and which KV heads (pure; no I/O).
+
+Heads are sharded the way vLLM shards them. With ``H`` KV heads and tensor-parallel size ``T``:
+
+* ``T <= H`` (``H % T == 0``): rank ``r`` owns the contiguous heads ``[r*H/T, (r+1)*H/T)``;
+* ``T > H`` (``T % H == 0``): each head is replicated on ``T/H`` ranks and rank ``r`` owns head
+  ``r // (T/H)``;
+* MLA: one latent cache replicated on every rank (treated as ``H = 1``).
+
+Prefill (TP ``Tp``) and decode (TP ``Td``) shard the same heads differently. Each decode rank
+assembles its heads from whole prefill "head groups" (the heads one prefill rank owns) when a
+prefill rank owns fewer heads than a decode rank, or reads a slice of one prefill group when it owns
+more. When a group is replicated on several prefill ranks, the replica is chosen from a seed derived
+from the request id, so that both sides compute the same choice independently and load spreads over
+the replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+
+class TopologyError(ValueError):
+    """The prefill/decode TP pair cannot be served for this model."""
+
+
+@dataclass(frozen=True)
+class HeadPull:
+    """One read of a decode rank: heads of one prefill rank landing in the decode rank's cache.
+
+    ``src_heads`` is in the prefill rank's local head numbering, ``dst_heads`` in the decode rank's.
+    Both ranges have the same length.
+    """
+
+    prefill_rank: int
+    src_heads: range
+    dst_heads: range
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.src_heads)
+
+
+def request_seed(request_id: str) -> int:
+    """A stable 64-bit seed for replica choice, identical in every process for the same id."""
+    digest = hashlib.sha256(request_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _heads_per_rank(num_heads: int, tp: int) -> int:
+    return max(1, num_heads // tp)
+
+
+def _check_side(side: str, num_heads: int, tp: int) -> None:
+    if tp < 1:
+        raise TopologyError(f"{side} TP size must be >= 1, got {tp}")
+    if tp <= num_heads and num_heads % tp != 0:
+        raise TopologyError(
+            f"{side} TP {tp} does not divide the {num_heads} KV heads: vLLM cannot shard them "
+            f"evenly; use a {side} TP that divides {num_heads}"
+        )
+    if tp > num_heads and tp % num_heads != 0:
+        raise TopologyError(
+            f"{side} TP {tp} is larger than the {num_heads} KV heads but not a multiple of it: "
+            f"vLLM replicates KV heads only when TP is a multiple of the head count"
+        )
+
+
+@dataclass(frozen=True)
+class TransferTopology:
+    """Head ownership on both sides and the pulls each decode rank issues.
+
+    Args:
+        num_kv_heads: total KV heads of the model (ignored for MLA).
+        prefill_tp: tensor-parallel size of the prefill instance.
+        decode_tp: tensor-parallel size of the decode instance.
+        is_mla: the model uses an MLA latent cache (one replicated latent per rank).
+    """
+
+    num_kv_heads: int
+    prefill_tp: int
+    decode_tp: int
+    is_mla: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 and not self.is_mla:
+            raise TopologyError(
+                f"the model must have at least one KV head, got {self.num_kv_heads}"
+            )
+        heads = self.heads
+        _check_side("prefill", heads, self.prefill_tp)
+        _check_side("decode", heads, self.decode_tp)
+        hp, hd = self.prefill_heads_per_rank, self.decode_heads_per_rank
+        if hd % hp != 0 and hp % hd != 0:
+            raise TopologyError(
+                f"prefill TP {self.prefill_tp} and decode TP {self.decode_tp} with "
+                f"{heads} KV heads: a prefill rank holds {hp} heads and a decode rank {hd}; "
+                f"neither count divides the other, so heads cannot be moved as whole slices"
+            )
+
+    @property
+    def heads(self) -> int:
+        """Number of distinct KV head units being sharded (1 for MLA)."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def prefill_heads_per_rank(self) -> int:
+        return _heads_per_rank(self.heads, self.prefill_tp)
+
+    @property
+    def decode_heads_per_rank(self) -> int:
+        return _heads_per_rank(self.heads, self.decode_tp)
+
+    @property
+    def pulls_per_decode_rank(self) -> int:
+        """How many prefill ranks every decode rank reads (the ``k`` of the head merge)."""
+        return max(1, self.decode_heads_per_rank // self.prefill_heads_per_rank)
+
+    def prefill_heads(self, rank: int) -> range:
+        """Global heads owned by a prefill rank."""
+        return self._owned(rank, self.prefill_tp)
+
+    def decode_heads(self, rank: int) -> range:
+        """Global heads owned by a decode rank."""
+        return self._owned(rank, self.decode_tp)
+
+    def _owned(self, rank: int, tp: int) -> range:
+        if not 0 <= rank < tp:
+            raise TopologyError(f"rank {rank} is outside TP size {tp}")
+        per_rank = _heads_per_rank(self.heads, tp)
+        if tp <= self.heads:
+            return range(rank * per_rank, (rank + 1) * per_rank)
+        head = rank // (tp // self.heads)
+        return range(head, head + 1)
+
+    def _prefill_replicas(self, first_head: int) -> tuple[int, ...]:
+        """Prefill ranks owning the head group that starts at ``first_head`` (ascending)."""
+        return self._replicas_by_group[first_head]
+
+    @cached_property
+    def _replicas_by_group(self) -> dict[int, tuple[int, ...]]:
+        groups: dict[int, list[int]] = {}
+        for rank in range(self.prefill_tp):
+            groups.setdefault(self.prefill_heads(rank).start, []).append(rank)
+        return {start: tuple(ranks) for start, ranks in groups.items()}
+
+    def _group_readers(self, first_head: int) -> list[int]:
+        """Decode ranks that read from the prefill head group starting at ``first_head``."""
+        group = range(first_head, first_head + self.prefill_heads_per_rank)
+        return [d for d in range(self.decode_tp) if _overlaps(self.decode_heads(d), group)]
+
+    def pulls_for(self, decode_rank: int, seed: int) -> tuple[HeadPull, ...]:
+        """The reads decode rank ``decode_rank`` issues for a request with replica seed ``seed``.
+
+        Pulls are ordered by destination head, so pull ``j`` fills the ``j``-th slice of the
+        decode rank's heads.
+        """
+        wanted = self.decode_heads(decode_rank)
+        hp = self.prefill_heads_per_rank
+        pulls = []
+        if hp <= len(wanted):
+            group_starts: Sequence[int] = range(wanted.start, wanted.stop, hp)
+        else:  # the decode rank reads a slice of one prefill group
+            group_starts = [wanted.start - wanted.start % hp]
+        for group_start in group_starts:
+            replicas = self._prefill_replicas(group_start)
+            readers = self._group_readers(group_start)
+            position = readers.index(decode_rank)
+            prefill_rank = replicas[(seed + position) % len(replicas)]
+            overlap_start = max(group_start, wanted.start)
+            overlap_stop = min(group_start + hp, wanted.stop)
+            pulls.append(
+                HeadPull(
+                    prefill_rank=prefill_rank,
+                    src_heads=range(overlap_start - group_start, overlap_stop - group_start),
+                    dst_heads=range(overlap_start - wanted.start, overlap_stop - wanted.start),
+                )
+            )
+        return tuple(pulls)
+
+    def readers_of(self, prefill_rank: int, seed: int) -> tuple[int, ...]:
+        """Decode ranks that will read prefill rank ``prefill_rank`` for a request (ascending).
+
+        A prefill rank that nobody reads can report the request finished at once.
+        """
+        group_start = self.prefill_heads(prefill_rank).start
+        return tuple(
+            d
+            for d in self._group_readers(group_start)
+            if any(p.prefill_rank == prefill_rank for p in self.pulls_for(d, seed))
+        )
+
+    def describe(self) -> str:
+        """One line for logs: sizes, heads per rank and the pull count."""
+        kind = "MLA latent" if self.is_mla else f"{self.num_kv_heads} KV heads"
+        return (
+            f"prefill TP {self.prefill_tp} -> decode TP {self.decode_tp} ({kind}): "
+            f"{self.prefill_heads_per_rank} head(s) per prefill rank, "
+            f"{self.decode_heads_per_rank} per decode rank, "
+            f"{self.pulls_per_decode_rank} pull(s) per decode rank"
+        )
+
+
+def _overlaps(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop
