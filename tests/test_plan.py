@@ -39,6 +39,7 @@ def region_layouts(
     head_token_bytes: int,
     blocks: int,
     pad: int,
+    flip_single_head: bool = False,
 ) -> list[RegionLayout]:
     order = {
         "fused_head_major": BlockOrder.HEAD_MAJOR,
@@ -46,6 +47,9 @@ def region_layouts(
         "split_kv": BlockOrder.TOKEN_MAJOR,
         "latent": BlockOrder.LATENT,
     }[kind]
+    if flip_single_head and heads == 1 and order is not BlockOrder.LATENT:
+        # One head: both orders give the same bytes, and engines may declare either.
+        order = BlockOrder.HEAD_MAJOR if order is BlockOrder.TOKEN_MAJOR else BlockOrder.TOKEN_MAJOR
     per_layer = 2 if kind == "split_kv" else 1
     block_len = heads * tokens * head_token_bytes
     layout = RegionLayout(order, blocks, block_len + pad, heads, tokens, head_token_bytes)
@@ -71,6 +75,7 @@ class Scenario:
     cap: int = 1024
     staging_blocks: int = 64
     seed: int = 0
+    flip_single_head: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -98,6 +103,7 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
             sc.head_token_bytes,
             sc.remote_blocks,
             sc.prefill_pad,
+            sc.flip_single_head,
         )
         base = (p + 1) * GiB
         memory = rng.integers(0, 256, table_bytes(layouts), dtype=np.uint8)
@@ -117,6 +123,7 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
         sc.head_token_bytes,
         sc.local_blocks,
         sc.decode_pad,
+        sc.flip_single_head,
     )
     local_base = 100 * GiB
     local_memory = rng.integers(0, 256, table_bytes(local_layouts), dtype=np.uint8)
@@ -230,6 +237,7 @@ def scenarios(draw) -> tuple[Scenario, int]:
         cap=draw(st.sampled_from([1, 3, 1024])),
         staging_blocks=draw(st.sampled_from([1, 2, 64])),
         seed=draw(st.integers(0, 2**32)),
+        flip_single_head=draw(st.booleans()),
     )
     return sc, draw(st.integers(0, decode_tp - 1))
 

@@ -268,10 +268,22 @@ def describe_latent_tensor(
     )
 
 
+def _order_free(layout: RegionLayout) -> bool:
+    """A single-head block has the same bytes in head-major and token-major order."""
+    return layout.num_heads == 1 and layout.block_order is not BlockOrder.LATENT
+
+
+def effective_order(local: RegionLayout, remote: RegionLayout) -> BlockOrder:
+    """The block order that governs a pair: a single-head side takes the other side's order."""
+    return remote.block_order if _order_free(local) else local.block_order
+
+
 def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "region") -> None:
     """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head."""
     problems = []
-    if local.block_order is not remote.block_order:
+    if local.block_order is not remote.block_order and not (
+        _order_free(local) or _order_free(remote)
+    ):
         problems.append(
             f"block order {remote.block_order.value} on prefill vs "
             f"{local.block_order.value} on decode"

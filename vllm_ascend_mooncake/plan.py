@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import BlockOrder, LayoutError, Region, RegionLayout, check_pairable
+from .layout import (
+    BlockOrder,
+    LayoutError,
+    Region,
+    RegionLayout,
+    check_pairable,
+    effective_order,
+)
 from .topology import HeadPull, TransferTopology
 
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
@@ -311,19 +318,19 @@ def plan_request(
         peers = [remote_regions[p.prefill_rank][i] for p in pulls]
         kind = _move_kind(local.layout, peers[0].layout, pulls[0])
         all_dense = local.layout.dense and all(r.layout.dense for r in peers)
-        if kind == _MoveKind.WHOLE:
-            region_runs = runs if all_dense else runs.split_blocks()
-            for pull, remote in zip(pulls, peers, strict=True):
-                _add_whole_blocks(per_peer[pull.prefill_rank], local, remote, region_runs)
-        elif kind == _MoveKind.MERGE:
-            head_major = local.layout.block_order is BlockOrder.HEAD_MAJOR
+        head_major = effective_order(local.layout, peers[0].layout) is BlockOrder.HEAD_MAJOR
+        if kind == _MoveKind.MERGE:
             region_runs = runs if all_dense and options.coalesce_runs else runs.split_blocks()
             for pull, remote in zip(pulls, peers, strict=True):
                 _add_merge(per_peer[pull.prefill_rank], local, remote, region_runs, pull)
             fixups.extend(_merge_fixups(local, peers[0].layout, region_runs, num_pulls, head_major))
+        elif kind == _MoveKind.WHOLE:
+            region_runs = runs if all_dense else runs.split_blocks()
+            for pull, remote in zip(pulls, peers, strict=True):
+                _add_whole_blocks(per_peer[pull.prefill_rank], local, remote, region_runs)
         else:
             pull, remote = pulls[0], peers[0]
-            if local.layout.block_order is BlockOrder.HEAD_MAJOR:
+            if head_major:
                 _add_head_slice(
                     per_peer[pull.prefill_rank], local, remote, runs.split_blocks(), pull
                 )

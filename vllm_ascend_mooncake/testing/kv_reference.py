@@ -71,10 +71,15 @@ class ReferenceKV:
         offsets: Sequence[int],
         heads: Sequence[int],
         block_map: Iterable[tuple[int, int]],
+        first_region: int = 0,
     ) -> None:
-        """Write reference blocks into ``memory``: ``(local block, reference block)`` pairs."""
+        """Write reference blocks into ``memory``: ``(local block, reference block)`` pairs.
+
+        ``layouts[i]`` holds reference region ``first_region + i``.
+        """
         pairs = list(block_map)
-        for region, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+        for i, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+            region = first_region + i
             for local_block, ref_block in pairs:
                 start = offset + local_block * layout.block_stride
                 memory[start : start + layout.block_len] = self.expected_block(

@@ -1,0 +1,130 @@
+"""Byte-exact KV pulls over real Mooncake (TCP) between real prefill and decode processes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_ascend_mooncake.testing.datapath_harness import (
+    CaseSpec,
+    RequestSpec,
+    WorkerProcess,
+    free_port_base,
+)
+
+pytestmark = pytest.mark.mooncake
+
+MAX_PREFILL, MAX_DECODE = 4, 4
+
+CASES = [
+    # name, heads, prefill TP, decode TP, layout
+    ("merge-hm", 4, 2, 1, "vllm_head_major"),
+    ("equal-hm", 4, 2, 2, "vllm_head_major"),
+    ("slice-hm", 4, 1, 2, "vllm_head_major"),
+    ("merge-tm", 4, 4, 2, "vllm_token_major"),
+    ("slice-tm", 4, 1, 4, "vllm_token_major"),
+    ("merge-split", 4, 4, 1, "split_kv"),
+    ("slice-split", 4, 2, 4, "split_kv"),
+    ("prefill-replicas", 2, 4, 1, "vllm_head_major"),
+    ("both-replicas", 1, 2, 4, "split_kv"),
+    ("decode-replicas", 2, 1, 4, "vllm_token_major"),
+    ("mla", 1, 4, 2, "mla"),
+]
+
+
+@pytest.fixture(scope="module")
+def workers():
+    prefill = [WorkerProcess() for _ in range(MAX_PREFILL)]
+    decode = [WorkerProcess() for _ in range(MAX_DECODE)]
+    yield prefill, decode
+    for worker in prefill + decode:
+        worker.close()
+
+
+def make_requests(case: CaseSpec, rng: random.Random, count: int) -> list[RequestSpec]:
+    """Contiguous runs, fragmented tables and decode prefix hits, on disjoint decode blocks."""
+    cursor = 0
+    requests = []
+    for i in range(count):
+        n = rng.randint(1, 6)
+        style = i % 3
+        if style == 0:  # contiguous on both sides
+            start = rng.randint(0, case.prefill_blocks - n)
+            remote = list(range(start, start + n))
+            local = list(range(cursor, cursor + n))
+            cursor += n
+        elif style == 1:  # fragmented on both sides
+            remote = rng.sample(range(case.prefill_blocks), n)
+            local = rng.sample(range(cursor, cursor + 2 * n), n)
+            cursor += 2 * n
+        else:  # decode already caches a prefix: it reads only the suffix
+            remote = rng.sample(range(case.prefill_blocks), n)
+            hit = rng.randint(0, n)
+            local = list(range(cursor, cursor + n - hit))
+            cursor += n - hit
+        assert cursor <= case.decode_blocks
+        requests.append(
+            RequestSpec(
+                request_id=f"{case.name}-d{i}",
+                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
+                local_block_ids=tuple(local),
+                remote_block_ids=tuple(remote),
+            )
+        )
+    return requests
+
+
+def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
+    prefill, decode = workers
+    for rank in range(case.prefill_tp):
+        prefill[rank].call("setup_prefill", case, rank)
+    for rank in range(case.decode_tp):
+        decode[rank].call("setup_decode", case, rank)
+    try:
+        transfer_ids = [r.transfer_id for r in requests]
+        half = len(transfer_ids) // 2
+        # Half the requests are held before decode pulls, half after (read-done arrives first).
+        for rank in range(case.prefill_tp):
+            prefill[rank].call("hold", transfer_ids[:half])
+        for rank in range(case.decode_tp):
+            decode[rank].send("pull", requests, 120.0)
+        outcomes = [decode[rank].receive(180) for rank in range(case.decode_tp)]
+        for rank in range(case.prefill_tp):
+            prefill[rank].call("hold", transfer_ids[half:])
+        finished = [
+            prefill[rank].call("collect_finished", transfer_ids, 30.0)
+            for rank in range(case.prefill_tp)
+        ]
+    finally:
+        for rank in range(case.prefill_tp):
+            prefill[rank].call("teardown")
+        for rank in range(case.decode_tp):
+            decode[rank].call("teardown")
+    return outcomes, finished
+
+
+@pytest.mark.parametrize("name,heads,prefill_tp,decode_tp,layout", CASES)
+def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
+    workers, name, heads, prefill_tp, decode_tp, layout
+):
+    case = CaseSpec(
+        name=name,
+        heads=heads,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        layout=layout,
+        base_port=free_port_base(prefill_tp),
+        seed=hash(name) % 1000,
+        staging_bytes=3 * 4 * 16 * 64,  # a few prefill blocks: forces several staging rounds
+    )
+    requests = make_requests(case, random.Random(case.seed), 6)
+    outcomes, finished = run_case(workers, case, requests)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.failed == {}, f"decode rank {rank} failed: {outcome.failed}"
+        assert sorted(outcome.done) == sorted(r.request_id for r in requests)
+        assert outcome.wrong_requests == {}, f"decode rank {rank}: {outcome.wrong_requests}"
+        assert outcome.stray_bytes == 0, f"decode rank {rank} wrote outside its blocks"
+    for rank, report in enumerate(finished):
+        assert report["counts"] == {r.transfer_id: 1 for r in requests}, f"prefill rank {rank}"
+        assert report["expired"] == 0

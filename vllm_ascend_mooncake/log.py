@@ -1,0 +1,17 @@
+"""Loggers: vLLM's logger (its format, its VLLM_LOGGING_LEVEL) when vLLM is importable.
+
+The pure planning core and the data-path tests run without vLLM too, so this falls back to the
+standard library's logging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+def get_logger(name: str) -> logging.Logger:
+    try:
+        from vllm.logger import init_logger
+    except ImportError:
+        return logging.getLogger(name)
+    return init_logger(name)

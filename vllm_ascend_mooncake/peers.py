@@ -1,0 +1,66 @@
+"""Decode side: prefill workers' metadata, fetched once per peer, checked, and invalidated.
+
+A peer is one prefill worker's side channel ``(host, port)``. Its metadata (regions, transfer
+engine session, incarnation) is fetched on first use and checked for compatibility; it is dropped
+when a read from that peer fails or when a request names a different engine or incarnation, so a
+restarted prefill worker is re-fetched instead of read at stale addresses.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .compat import check_peer
+from .side_channel import SideChannelClient, SideChannelError
+from .topology import TransferTopology
+from .wire import WorkerMetadata
+
+
+class PeerDirectory:
+    """Thread-safe cache of prefill workers' metadata."""
+
+    def __init__(
+        self, client: SideChannelClient, local: WorkerMetadata, topology: TransferTopology
+    ) -> None:
+        self._client = client
+        self._local = local
+        self._topology = topology
+        self._cache: dict[tuple[str, int], WorkerMetadata] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        host: str,
+        port: int,
+        engine_id: str | None = None,
+        incarnation: str | None = None,
+    ) -> WorkerMetadata:
+        """The peer's metadata; re-fetched when stale. Raises on mismatch or incompatibility."""
+        key = (host, port)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is not None and _matches(cached, engine_id, incarnation):
+            return cached
+        reply = self._client.fetch_metadata(host, port)
+        if not isinstance(reply, WorkerMetadata):
+            raise SideChannelError(f"{host}:{port} answered metadata with {type(reply).__name__}")
+        if not _matches(reply, engine_id, incarnation):
+            raise SideChannelError(
+                f"{host}:{port} is engine {reply.engine_id} incarnation {reply.incarnation}, "
+                f"but the request expects engine {engine_id} incarnation {incarnation}: the "
+                f"prefill instance was restarted or the request names the wrong instance"
+            )
+        check_peer(self._local, reply, self._topology)
+        with self._lock:
+            self._cache[key] = reply
+        return reply
+
+    def invalidate(self, host: str, port: int) -> None:
+        with self._lock:
+            self._cache.pop((host, port), None)
+
+
+def _matches(meta: WorkerMetadata, engine_id: str | None, incarnation: str | None) -> bool:
+    return (engine_id is None or meta.engine_id == engine_id) and (
+        incarnation is None or meta.incarnation == incarnation
+    )

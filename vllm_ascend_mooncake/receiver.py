@@ -1,0 +1,347 @@
+"""Decode side: pull each request's KV from the prefill ranks the topology names, then fix it up.
+
+One dispatcher thread turns a :class:`PullRequest` into a plan (fetching peer metadata on first
+contact). Reads then run on a thread pool with one FIFO lane per prefill peer: different peers in
+parallel, one peer strictly in order. All layers of a request-peer pair go out as one batched read,
+split at the descriptor cap. The fix-up runs only once every pull of the request has landed; a
+partially read request is never fixed up or reported loaded. Each peer read gets a read-done
+notification (success or not) so the prefill side can free its blocks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .engine import MooncakeEngine
+from .layout import BlockOrder, Region, effective_order
+from .log import get_logger
+from .peers import PeerDirectory
+from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, plan_request
+from .relayout import LocalMemory, apply_row_copies, apply_swaps
+from .side_channel import SideChannelClient
+from .topology import TransferTopology, request_seed
+from .wire import ReadDone
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """One request's KV to pull, as the decode scheduler hands it to a worker."""
+
+    request_id: str
+    transfer_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    remote_host: str
+    remote_port: int
+    remote_engine_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ReceiverOptions:
+    max_descriptors_per_batch: int = 1024
+    coalesce_runs: bool = True
+    num_threads: int = 4
+    requests_per_turn: int = 4
+
+
+@dataclass(frozen=True)
+class PullFailure:
+    """A request whose KV could not be loaded: these local blocks hold garbage."""
+
+    local_block_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class PullStats:
+    request_id: str
+    num_bytes: int
+    num_descriptors: int
+    seconds: float
+
+
+class StagingPool:
+    """Registered buffers that token-major slice pulls land in; one per request in flight."""
+
+    def __init__(self, areas: Sequence[StagingArea]) -> None:
+        self._free: queue.Queue[StagingArea] = queue.Queue()
+        for area in areas:
+            self._free.put(area)
+
+    def acquire(self) -> StagingArea:
+        return self._free.get()
+
+    def release(self, area: StagingArea) -> None:
+        self._free.put(area)
+
+
+@dataclass
+class _InFlight:
+    pull: PullRequest
+    plan: RequestPlan
+    sessions: dict[int, tuple[str, str, int, str]]  # rank -> (te session, incarnation, host, port)
+    remaining: int
+    started: float
+    staging: StagingArea | None = None
+    failure: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Lane:
+    """FIFO work for one peer, drained on the shared pool a few requests per turn."""
+
+    def __init__(self, pool: ThreadPoolExecutor, run, per_turn: int) -> None:
+        self._pool, self._run, self._per_turn = pool, run, per_turn
+        self._items: deque = deque()
+        self._active = False
+        self._lock = threading.Lock()
+
+    def push(self, item) -> None:
+        with self._lock:
+            self._items.append(item)
+            if self._active:
+                return
+            self._active = True
+        self._pool.submit(self._drain)
+
+    def _drain(self) -> None:
+        for _ in range(self._per_turn):
+            with self._lock:
+                if not self._items:
+                    self._active = False
+                    return
+                item = self._items.popleft()
+            self._run(*item)
+        with self._lock:
+            if not self._items:
+                self._active = False
+                return
+        self._pool.submit(self._drain)  # yield to other peers' lanes
+
+
+class Receiver:
+    """Pulls requests' KV into this decode worker's cache."""
+
+    def __init__(
+        self,
+        engine: MooncakeEngine,
+        topology: TransferTopology,
+        decode_rank: int,
+        local_regions: Sequence[Region],
+        memory: LocalMemory,
+        peers: PeerDirectory,
+        client: SideChannelClient,
+        options: ReceiverOptions | None = None,
+        staging: StagingPool | None = None,
+    ) -> None:
+        self._engine = engine
+        self._topology = topology
+        self._rank = decode_rank
+        self._local_regions = list(local_regions)
+        self._memory = memory
+        self._peers = peers
+        self._client = client
+        self._options = options or ReceiverOptions()
+        self._staging = staging
+        self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
+        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._queue: queue.Queue[PullRequest | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: dict[str, PullFailure] = {}
+        self._stats: list[PullStats] = []
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="vam-recv-dispatch", daemon=True
+        )
+        self._dispatcher.start()
+
+    # -- public API -------------------------------------------------------------------------
+
+    def submit(self, pull: PullRequest) -> None:
+        self._queue.put(pull)
+
+    def take_finished(self) -> tuple[set[str], dict[str, PullFailure]]:
+        """Requests whose pull ended since the last call: loaded ones, and failed ones with the
+        local blocks that must not be used."""
+        with self._lock:
+            done, self._done = self._done, set()
+            failed, self._failed = self._failed, {}
+        return done, failed
+
+    def take_stats(self) -> list[PullStats]:
+        with self._lock:
+            stats, self._stats = self._stats, []
+        return stats
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._dispatcher.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while (pull := self._queue.get()) is not None:
+            try:
+                self._start(pull)
+            except Exception as exc:
+                logger.warning("cannot pull KV for request %s: %s", pull.request_id, exc)
+                self._notify_unplanned(pull, str(exc))
+                self._finish(pull, failure=str(exc))
+
+    def _needs_staging(self, pull_heads: int, remote: Sequence[Region]) -> bool:
+        if not self._local_regions:
+            return False
+        order = effective_order(self._local_regions[0].layout, remote[0].layout)
+        return order is BlockOrder.TOKEN_MAJOR and pull_heads < remote[0].layout.num_heads
+
+    def _start(self, pull: PullRequest) -> None:
+        pulls = self._topology.pulls_for(self._rank, request_seed(pull.transfer_id))
+        sessions: dict[int, tuple[str, str, int, str]] = {}
+        remote_tables: dict[int, list[Region]] = {}
+        for head_pull in pulls:
+            rank = head_pull.prefill_rank
+            port = pull.remote_port + rank
+            meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
+            remote_tables[rank] = meta.to_regions()
+            sessions[rank] = (meta.te_session, meta.incarnation, pull.remote_host, port)
+        staging = None
+        if pull.local_block_ids and self._needs_staging(
+            pulls[0].num_heads, remote_tables[pulls[0].prefill_rank]
+        ):
+            if self._staging is None:
+                raise RuntimeError("this worker has no staging buffer for token-major slice pulls")
+            staging = self._staging.acquire()
+        try:
+            plan = plan_request(
+                self._topology,
+                self._rank,
+                request_seed(pull.transfer_id),
+                self._local_regions,
+                remote_tables,
+                pull.local_block_ids,
+                pull.remote_block_ids,
+                PlanOptions(
+                    max_descriptors_per_batch=self._options.max_descriptors_per_batch,
+                    coalesce_runs=self._options.coalesce_runs,
+                    staging=staging,
+                ),
+            )
+        except Exception:
+            if staging is not None:
+                self._staging.release(staging)
+            raise
+        state = _InFlight(pull, plan, sessions, len(sessions), time.perf_counter(), staging)
+        peers_with_reads = {peer.prefill_rank for peer in plan.peers if peer.batches}
+        for rank in sessions:
+            if rank not in peers_with_reads:  # nothing to read (full prefix hit): just release
+                self._read_from(state, PeerPlan(rank, (), []))
+        for peer in plan.peers:
+            if peer.batches:
+                self._lane(sessions[peer.prefill_rank][0]).push((state, peer))
+
+    def _lane(self, session: str) -> _Lane:
+        key = (session, 0)
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(
+                    self._pool, self._read_from, self._options.requests_per_turn
+                )
+        return lane
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def _read_from(self, state: _InFlight, peer: PeerPlan) -> None:
+        te_session, incarnation, host, port = state.sessions[peer.prefill_rank]
+        failure = None
+        if state.failure is None:
+            try:
+                for batch in peer.batches:
+                    self._engine.read(
+                        te_session, batch.local_addrs, batch.remote_addrs, batch.lengths
+                    )
+                    apply_row_copies(self._memory, batch.after_landing)
+            except Exception as exc:  # any failure: the request is failed, never half-used
+                failure = str(exc)
+                self._peers.invalidate(host, port)
+                logger.warning(
+                    "request %s: read from %s failed: %s", state.pull.request_id, te_session, exc
+                )
+        self._notify(host, port, state.pull.transfer_id, incarnation, failure)
+        with state.lock:
+            if failure is not None and state.failure is None:
+                state.failure = failure
+            state.remaining -= 1
+            last = state.remaining == 0
+        if last:
+            self._complete(state)
+
+    def _complete(self, state: _InFlight) -> None:
+        try:
+            if state.failure is None:
+                apply_swaps(self._memory, state.plan.fixups)
+        except Exception as exc:
+            state.failure = f"fix-up failed: {exc}"
+            logger.exception("request %s: KV fix-up failed", state.pull.request_id)
+        finally:
+            if state.staging is not None and self._staging is not None:
+                self._staging.release(state.staging)
+        if state.failure is None:
+            with self._lock:
+                self._stats.append(
+                    PullStats(
+                        state.pull.request_id,
+                        state.plan.num_bytes,
+                        state.plan.num_descriptors,
+                        time.perf_counter() - state.started,
+                    )
+                )
+        self._finish(state.pull, state.failure)
+
+    def _finish(self, pull: PullRequest, failure: str | None) -> None:
+        with self._lock:
+            if failure is None:
+                self._done.add(pull.request_id)
+            else:
+                self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
+
+    def _notify(
+        self, host: str, port: int, transfer_id: str, incarnation: str, failure: str | None
+    ) -> None:
+        message = ReadDone(
+            request_id=transfer_id,
+            decode_rank=self._rank,
+            incarnation=incarnation,
+            success=failure is None,
+            reason=failure or "",
+        )
+        try:
+            self._client.request(host, port, message)
+        except Exception as exc:
+            logger.warning(
+                "could not tell prefill %s:%d that request %s was read (%s); it will release the "
+                "blocks at its timeout",
+                host,
+                port,
+                transfer_id,
+                exc,
+            )
+
+    def _notify_unplanned(self, pull: PullRequest, reason: str) -> None:
+        """Tell every prefill rank this request would have read that nothing will come."""
+        for head_pull in self._topology.pulls_for(self._rank, request_seed(pull.transfer_id)):
+            port = pull.remote_port + head_pull.prefill_rank
+            try:
+                meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
+            except Exception:
+                continue  # unreachable or incompatible: it will expire the request itself
+            self._notify(pull.remote_host, port, pull.transfer_id, meta.incarnation, reason)

@@ -1,0 +1,429 @@
+"""Real prefill and decode worker processes moving KV over Mooncake, for tests and benchmarks.
+
+Each :class:`WorkerProcess` is a separate OS process with its own Mooncake transfer engine, reused
+across cases: per case it allocates a KV cache shaped like the engine's (vLLM per-layer views or
+vllm-ascend separate K/V tensors), registers it, and runs the real :class:`PrefillSender` or
+:class:`Receiver`. Prefill caches are filled from a :class:`ReferenceKV`; decode workers check every
+pulled block against it byte for byte, and that no byte outside the requested blocks changed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..topology import TransferTopology
+from .kv_reference import ReferenceKV, owned_heads
+
+LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla")
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One geometry: model, TP pair, layout and pool sizes."""
+
+    name: str
+    heads: int
+    prefill_tp: int
+    decode_tp: int
+    layout: str
+    num_layers: int = 2
+    block_size: int = 16
+    head_size: int = 16
+    element_size: int = 2
+    prefill_blocks: int = 48
+    decode_blocks: int = 64
+    seed: int = 0
+    base_port: int = 0
+    release_timeout_s: float = 60.0
+    max_descriptors_per_batch: int = 1024
+    coalesce_runs: bool = True
+    staging_bytes: int = 1 << 20
+
+    @property
+    def is_mla(self) -> bool:
+        return self.layout == "mla"
+
+    @property
+    def ref_heads(self) -> int:
+        return 1 if self.is_mla else self.heads
+
+    @property
+    def regions_per_layer(self) -> int:
+        return 2 if self.layout == "split_kv" else 1
+
+    @property
+    def head_token_bytes(self) -> int:
+        # vLLM fuses K and V in the content axis; split caches hold one of them per tensor.
+        content = self.head_size if self.layout == "split_kv" else 2 * self.head_size
+        return content * self.element_size
+
+    def topology(self) -> TransferTopology:
+        return TransferTopology(self.heads, self.prefill_tp, self.decode_tp, is_mla=self.is_mla)
+
+    def reference(self) -> ReferenceKV:
+        return ReferenceKV.random(
+            self.num_layers * self.regions_per_layer,
+            self.prefill_blocks,
+            self.ref_heads,
+            self.block_size,
+            self.head_token_bytes,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    transfer_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass
+class PullOutcome:
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    wrong_requests: dict[str, str] = field(default_factory=dict)
+    stray_bytes: int = 0
+    seconds: float = 0.0
+    bytes_moved: int = 0
+    descriptors: int = 0
+
+
+def free_port_base(count: int) -> int:
+    """A base port with ``count`` consecutive free ports on loopback."""
+    for _ in range(200):
+        base = int(np.random.default_rng().integers(42000, 60000))
+        try:
+            socks = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError("no free port range on loopback")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the worker process
+
+
+class _WorkerState:
+    def __init__(self) -> None:
+        from ..engine import MooncakeEngine
+
+        self.engine = MooncakeEngine("127.0.0.1", "tcp")
+        self.case: CaseSpec | None = None
+        self.rank = -1
+        self.tensors: list = []
+        self.regions: list = []
+        self.memory_arrays: list[np.ndarray] = []
+        self.sender = None
+        self.receiver = None
+        self.client = None
+        self.finished_counts: dict[str, int] = {}
+
+    # -- cache construction --------------------------------------------------------------
+
+    def _allocate(self, case: CaseSpec, heads: int, num_blocks: int, fill_value: int | None):
+        import torch
+
+        from ..registration import regions_from_split_caches, regions_from_vllm_views
+
+        dtype = {2: torch.float16, 4: torch.float32, 1: torch.int8}[case.element_size]
+        n, c = case.block_size, case.head_token_bytes // case.element_size
+        if case.layout == "split_kv":
+            caches = {
+                f"layer.{i}": tuple(
+                    torch.empty(num_blocks, n, heads, c, dtype=dtype) for _ in range(2)
+                )
+                for i in range(case.num_layers)
+            }
+            tensors = [t for pair in caches.values() for t in pair]
+            regions = regions_from_split_caches(
+                caches, num_kv_heads=heads, block_size=n, head_size=c
+            )
+        else:
+            h = 1 if case.is_mla else heads
+            page = h * n * c
+            raw = torch.empty(case.num_layers * num_blocks * page, dtype=dtype)
+            if case.layout == "vllm_token_major":
+                strides = (page, c, h * c, 1)
+            else:
+                strides = (page, n * c, c, 1)
+            caches = {
+                f"layer.{i}": raw.as_strided((num_blocks, h, n, c), strides, i * num_blocks * page)
+                for i in range(case.num_layers)
+            }
+            tensors = [raw]
+            regions = regions_from_vllm_views(
+                caches, num_kv_heads=h, block_size=n, is_mla=case.is_mla
+            )
+        arrays = []
+        rng = np.random.default_rng(case.seed + 1000 + self.rank)
+        for tensor in tensors:
+            flat = tensor.view(-1).view(torch.uint8).numpy()
+            flat[:] = (
+                rng.integers(0, 256, flat.size, dtype=np.uint8)
+                if fill_value is None
+                else fill_value
+            )
+            arrays.append(flat)
+        return tensors, regions, arrays
+
+    def _region_array(self, index: int) -> tuple[np.ndarray, int]:
+        """The numpy array holding region ``index`` and the region's offset in it."""
+        base = self.regions[index].base
+        for tensor, array in zip(self.tensors, self.memory_arrays, strict=True):
+            start = tensor.data_ptr()
+            if start <= base < start + array.size:
+                return array, base - start
+        raise AssertionError(f"region {index} not in any buffer")
+
+    def _metadata(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int):
+        from ..wire import ModelIdentity, RegionInfo, WorkerMetadata
+
+        return WorkerMetadata(
+            engine_id=f"{case.name}-{role}",
+            incarnation=uuid.uuid4().hex,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=0,
+            dp_size=1,
+            pp_size=1,
+            te_session=self.engine.session,
+            identity=ModelIdentity(
+                model="reference",
+                dtype=f"e{case.element_size}",
+                kv_cache_dtype="auto",
+                block_size=case.block_size,
+                head_size=case.head_size,
+                num_kv_heads=case.heads,
+                num_layers=case.num_layers,
+                is_mla=case.is_mla,
+            ),
+            regions=[RegionInfo.of(r) for r in self.regions],
+        )
+
+    def _register(self) -> None:
+        from ..registration import storage_ranges
+
+        self.engine.register(storage_ranges(self.tensors))
+
+    # -- commands -------------------------------------------------------------------------
+
+    def setup_prefill(self, case: CaseSpec, rank: int) -> str:
+        from ..sender import PrefillSender, SendTracker
+
+        self.case, self.rank = case, rank
+        topo = case.topology()
+        heads = owned_heads(case.ref_heads, case.prefill_tp, rank, case.is_mla)
+        self.tensors, self.regions, self.memory_arrays = self._allocate(
+            case, len(heads), case.prefill_blocks, None
+        )
+        ref = case.reference()
+        for index, region in enumerate(self.regions):
+            array, offset = self._region_array(index)
+            ref.fill(
+                array[offset:],
+                [region.layout],
+                [0],
+                heads,
+                ((b, b) for b in range(case.prefill_blocks)),
+                first_region=index,
+            )
+        self._register()
+        tracker = SendTracker(topo, rank, case.release_timeout_s)
+        metadata = self._metadata(case, "prefill", rank, case.prefill_tp)
+        self.sender = PrefillSender(metadata, tracker, "127.0.0.1", case.base_port + rank)
+        self.finished_counts = {}
+        return self.engine.session
+
+    def hold(self, transfer_ids: list[str]) -> None:
+        for transfer_id in transfer_ids:
+            self.sender.tracker.hold(transfer_id)
+
+    def collect_finished(self, expected: list[str], timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for request_id in self.sender.tracker.take_finished():
+                self.finished_counts[request_id] = self.finished_counts.get(request_id, 0) + 1
+            if all(r in self.finished_counts for r in expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)  # a duplicate report would show up now
+        for request_id in self.sender.tracker.take_finished():
+            self.finished_counts[request_id] = self.finished_counts.get(request_id, 0) + 1
+        return {"counts": dict(self.finished_counts), "expired": self.sender.tracker.num_expired}
+
+    def setup_decode(self, case: CaseSpec, rank: int) -> str:
+        from ..peers import PeerDirectory
+        from ..plan import StagingArea
+        from ..receiver import Receiver, ReceiverOptions, StagingPool
+        from ..registration import storage_ranges
+        from ..relayout import LocalMemory
+        from ..side_channel import SideChannelClient
+
+        self.case, self.rank = case, rank
+        topo = case.topology()
+        heads = owned_heads(case.ref_heads, case.decode_tp, rank, case.is_mla)
+        self.tensors, self.regions, self.memory_arrays = self._allocate(
+            case, len(heads), case.decode_blocks, None
+        )
+        import torch
+
+        staging_tensor = torch.zeros(case.staging_bytes, dtype=torch.uint8)
+        self.staging_tensor = staging_tensor
+        self.engine.register(storage_ranges(self.tensors) + storage_ranges([staging_tensor]))
+        self.snapshot = [a.copy() for a in self.memory_arrays]
+        self.client = SideChannelClient(timeout_s=10)
+        peers = PeerDirectory(
+            self.client, self._metadata(case, "decode", rank, case.decode_tp), topo
+        )
+        self.receiver = Receiver(
+            self.engine,
+            topo,
+            rank,
+            self.regions,
+            LocalMemory.from_tensors([*self.tensors, staging_tensor]),
+            peers,
+            self.client,
+            ReceiverOptions(
+                max_descriptors_per_batch=case.max_descriptors_per_batch,
+                coalesce_runs=case.coalesce_runs,
+            ),
+            StagingPool([StagingArea(staging_tensor.data_ptr(), case.staging_bytes)]),
+        )
+        return self.engine.session
+
+    def pull(self, requests: list[RequestSpec], timeout_s: float) -> PullOutcome:
+        from ..receiver import PullRequest
+
+        case = self.case
+        outcome = PullOutcome()
+        started = time.perf_counter()
+        for spec in requests:
+            self.receiver.submit(
+                PullRequest(
+                    request_id=spec.request_id,
+                    transfer_id=spec.transfer_id,
+                    local_block_ids=spec.local_block_ids,
+                    remote_block_ids=spec.remote_block_ids,
+                    remote_host="127.0.0.1",
+                    remote_port=case.base_port,
+                )
+            )
+        pending = {spec.request_id for spec in requests}
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            done, failed = self.receiver.take_finished()
+            outcome.done.extend(done)
+            outcome.failed.update({r: f.reason for r, f in failed.items()})
+            pending -= done | set(failed)
+            time.sleep(0.002)
+        outcome.seconds = time.perf_counter() - started
+        for stat in self.receiver.take_stats():
+            outcome.bytes_moved += stat.num_bytes
+            outcome.descriptors += stat.num_descriptors
+        for request_id in pending:
+            outcome.failed[request_id] = f"not finished within {timeout_s} s"
+        self._verify(requests, outcome)
+        return outcome
+
+    def _verify(self, requests: list[RequestSpec], outcome: PullOutcome) -> None:
+        case = self.case
+        ref = case.reference()
+        heads = owned_heads(case.ref_heads, case.decode_tp, self.rank, case.is_mla)
+        expected = [a.copy() for a in self.snapshot]
+        done = set(outcome.done)
+        for spec in requests:
+            remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(spec.local_block_ids) :]
+            for index, region in enumerate(self.regions):
+                array, offset = self._region_array(index)
+                buffer_index = next(i for i, a in enumerate(self.memory_arrays) if a is array)
+                layout = region.layout
+                for local, ref_block in zip(spec.local_block_ids, remote, strict=True):
+                    start = offset + local * layout.block_stride
+                    want = ref.expected_block(index, ref_block, heads, layout.block_order)
+                    got = array[start : start + layout.block_len]
+                    if spec.request_id in done and not np.array_equal(got, want):
+                        outcome.wrong_requests[spec.request_id] = (
+                            f"region {region.name} block {local}: "
+                            f"{int((got != want).sum())} wrong bytes"
+                        )
+                    # Whatever happened, these bytes may change; nothing else may.
+                    expected[buffer_index][start : start + layout.block_len] = got
+        for array, want in zip(self.memory_arrays, expected, strict=True):
+            outcome.stray_bytes += int((array != want).sum())
+
+    def teardown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.shutdown()
+        if self.client is not None:
+            self.client.close()
+        self.engine.close()
+        self.sender = self.receiver = self.client = None
+        self.tensors, self.memory_arrays = [], []
+
+
+def _worker_main(conn) -> None:
+    state = None
+    while True:
+        command, args = conn.recv()
+        if command == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            if state is None:
+                state = _WorkerState()
+            result = getattr(state, command)(*args)
+            conn.send(("ok", result))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerProcess:
+    """A handle on one worker process; calls are synchronous RPCs over a pipe."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+
+    def send(self, command: str, *args) -> None:
+        self._conn.send((command, args))
+
+    def receive(self, timeout_s: float = 300):
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"worker process {self.process.pid} did not answer")
+        status, result = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"worker process {self.process.pid} failed:\n{result}")
+        return result
+
+    def call(self, command: str, *args, timeout_s: float = 300):
+        self.send(command, *args)
+        return self.receive(timeout_s)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("exit", timeout_s=10)
+            except Exception:
+                self.process.kill()
+        self.process.join(timeout=10)

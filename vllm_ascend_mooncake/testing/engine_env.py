@@ -1,0 +1,63 @@
+"""Environment variables a vLLM CPU engine needs on an offline, loopback-only test machine.
+
+Tests, benchmarks and the demo start real engines; sharing one definition keeps them from
+drifting apart (an engine that phones home or reserves a default-sized KV cache hangs or runs out
+of memory on a 2-core, 24 GiB CI machine).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+#: GiB of KV cache a CPU engine reserves when the caller does not say; vLLM's own default (4 GiB
+#: when unset) is too much for several engines side by side on a small machine.
+DEFAULT_KVCACHE_SPACE_GIB = 1
+
+
+def engine_env(
+    kvcache_space_gib: int = DEFAULT_KVCACHE_SPACE_GIB, host_ip: str = "127.0.0.1"
+) -> dict[str, str]:
+    """Return the variables (name -> value) for a vLLM CPU engine that stays on this machine.
+
+    * ``VLLM_HOST_IP``: the address engines advertise to each other (loopback only here);
+    * ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``: never try to reach the Hugging Face hub;
+    * ``VLLM_NO_USAGE_STATS``/``DO_NOT_TRACK``: no usage reporting;
+    * ``VLLM_CPU_KVCACHE_SPACE``: KV-cache size in GiB;
+    * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: do not pin OpenMP threads to cores, which fails or
+      starves other processes when the machine has fewer cores than vLLM assumes.
+    """
+    if kvcache_space_gib <= 0:
+        raise ValueError(f"kvcache_space_gib must be positive, got {kvcache_space_gib}")
+    return {
+        "VLLM_HOST_IP": host_ip,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
+def apply_engine_env(
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    override: bool = False,
+    kvcache_space_gib: int = DEFAULT_KVCACHE_SPACE_GIB,
+    host_ip: str = "127.0.0.1",
+) -> dict[str, str]:
+    """Put :func:`engine_env` into ``environ`` (default ``os.environ``) and return what is in force.
+
+    Without ``override`` a variable the user already set wins (``setdefault``), so a developer can
+    still, say, give an engine more KV cache from the shell.
+    """
+    target = os.environ if environ is None else environ
+    in_force = {}
+    for name, value in engine_env(kvcache_space_gib, host_ip).items():
+        if override:
+            target[name] = value
+        else:
+            target.setdefault(name, value)
+        in_force[name] = target[name]
+    return in_force

@@ -1,0 +1,437 @@
+"""Build small random Llama checkpoints that vLLM can serve, offline and deterministically.
+
+Tests, benchmarks and the demo need a real model directory (config, weights, tokenizer) whose
+shape we choose: the number of KV heads decides how heterogeneous tensor parallelism splits the
+KV cache, and the number of layers and the head size decide how many bytes move per block.
+Nothing may be downloaded, so :func:`build_tiny_model` writes such a directory from scratch:
+
+* ``config.json`` / ``generation_config.json``: a ``LlamaForCausalLM`` with the requested shape;
+* ``model.safetensors``: random weights drawn from a seeded generator;
+* ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer trained locally on a
+  generated corpus, with BOS/EOS tokens and a plain chat template (for ``/v1/chat/completions``).
+
+The weights are scaled so that greedy decoding depends on the whole prompt rather than collapsing
+into one repeated token: a KV-cache transfer that delivers wrong blocks then changes the output,
+which is what the disaggregation tests rely on. Directories are cached under a hash of the spec
+and published with an atomic rename, so concurrent builders (pytest workers, two engines) are safe.
+
+Only the standard library is imported at module level; ``torch``, ``tokenizers`` and
+``safetensors`` are imported when a model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_ascend_mooncake import deps
+
+#: Bump when the generated files change for the same spec, so stale cache entries are not reused.
+FORMAT_VERSION = 1
+
+#: Environment variable that overrides the default cache root.
+CACHE_ENV_VAR = "VAM_MODEL_CACHE"
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+
+#: Plain-text roles; enough for vLLM's OpenAI chat endpoint to render a conversation.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+#: Written last into a model directory; its presence marks a complete build.
+MANIFEST_FILE = "tiny_model_spec.json"
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+# Byte-level BPE needs all 256 byte symbols plus the special tokens before any merge.
+_MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# Initialisation scales. Every projection reads an RMS-normalised input (or a sum of such
+# outputs), so ``gain / sqrt(fan_in)`` keeps activations of order ``gain``. The choices below
+# were checked with transformers and vLLM (tests/testing, tests/engine):
+# * embeddings with std 1 keep each token's identity at the same scale as the layer outputs, so
+#   the residual stream is neither dominated by the current token nor washed out by the layers;
+# * query/key gain 2 makes attention logits spread by several units, so attention is sharp and
+#   the next token depends on particular earlier tokens, not only on the last one;
+# * the LM head is scaled so logits spread by about 8: greedy argmax margins are then far larger
+#   than the rounding differences between bfloat16/float32 or between TP layouts.
+_EMBEDDING_STD = 1.0
+_QUERY_KEY_GAIN = 2.0
+_PROJECTION_GAIN = 1.0
+_LOGIT_STD = 8.0
+
+_ROPE_THETA = 10000.0
+_RMS_NORM_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape and seed of a tiny Llama model.
+
+    ``hidden_size`` defaults to ``num_attention_heads * head_dim`` and ``intermediate_size`` to
+    twice the hidden size; both are resolved at construction, so a spec that leaves them out
+    equals (and caches like) one that spells the same values out.
+    """
+
+    num_layers: int = 2
+    num_attention_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int = 512
+    max_position_embeddings: int = 1024
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size is None:
+            object.__setattr__(self, "hidden_size", self.num_attention_heads * self.head_dim)
+        if self.intermediate_size is None:
+            object.__setattr__(self, "intermediate_size", 2 * self.hidden)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "dtype":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{field.name} must be an int, got {value!r}")
+            if field.name != "seed" and value <= 0:
+                raise ValueError(f"{field.name} must be positive, got {value}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.vocab_size < _MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size must be at least {_MIN_VOCAB_SIZE} (256 byte symbols plus "
+                f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def hidden(self) -> int:
+        """The resolved hidden size (never ``None``)."""
+        assert self.hidden_size is not None
+        return self.hidden_size
+
+    @property
+    def intermediate(self) -> int:
+        """The resolved MLP intermediate size (never ``None``)."""
+        assert self.intermediate_size is not None
+        return self.intermediate_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields with derived sizes resolved; what the cache key is computed from."""
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
+        payload = json.dumps(
+            {"format_version": FORMAT_VERSION, "spec": self.to_dict()}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def directory_name(self) -> str:
+        """Readable, collision-free directory name for the cache."""
+        return (
+            f"llama-l{self.num_layers}-h{self.num_attention_heads}-kv{self.num_kv_heads}"
+            f"-d{self.head_dim}-{self.dtype}-{self.fingerprint()[:16]}"
+        )
+
+
+def default_cache_root() -> Path:
+    """``$VAM_MODEL_CACHE`` if set, else ``~/.cache/vllm_ascend_mooncake/models``."""
+    configured = os.environ.get(CACHE_ENV_VAR)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "vllm_ascend_mooncake" / "models"
+
+
+def build_tiny_model(
+    spec: TinyModelSpec | None = None, cache_root: str | os.PathLike[str] | None = None
+) -> Path:
+    """Return the directory of the model described by ``spec``, building it if not cached.
+
+    The build goes to a private temporary directory next to the target and is published with
+    one ``rename``; a concurrent builder that loses the race discards its copy and uses the
+    winner's, which has identical content.
+    """
+    spec = spec or TinyModelSpec()
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / spec.directory_name()
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=root))
+    try:
+        write_model_files(spec, staging)
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not _is_complete(target):
+                raise RuntimeError(
+                    f"cannot publish tiny model to {target}: the path exists but is not a "
+                    f"complete build (no {MANIFEST_FILE}); remove it and retry"
+                ) from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def write_model_files(spec: TinyModelSpec, directory: Path) -> None:
+    """Write all files of ``spec``'s model into the existing ``directory`` (no caching)."""
+    tokenizer = _train_tokenizer(spec.vocab_size)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(spec))
+    _write_json(
+        directory / "special_tokens_map.json",
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
+    )
+    _write_json(directory / "config.json", _model_config(spec, bos_id, eos_id, pad_id))
+    _write_json(
+        directory / "generation_config.json",
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+    )
+    _write_weights(spec, directory / "model.safetensors")
+    for path in directory.iterdir():
+        path.chmod(0o644)
+    _write_json(
+        directory / MANIFEST_FILE,
+        {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": spec.fingerprint(),
+            "spec": spec.to_dict(),
+        },
+    )
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / MANIFEST_FILE).is_file()
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _model_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": _RMS_NORM_EPS,
+        "rope_theta": _ROPE_THETA,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "torch_dtype": spec.dtype,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "use_cache": True,
+    }
+
+
+def _tokenizer_config(spec: TinyModelSpec) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _weight_shapes(spec: TinyModelSpec) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
+    """(name, shape, std) for every tensor, in a fixed order; std ``None`` means all ones."""
+    hidden, heads_width = spec.hidden, spec.num_attention_heads * spec.head_dim
+    kv_width = spec.num_kv_heads * spec.head_dim
+    query_key_std = _QUERY_KEY_GAIN / math.sqrt(hidden)
+    yield "model.embed_tokens.weight", (spec.vocab_size, hidden), _EMBEDDING_STD
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}"
+        yield f"{prefix}.input_layernorm.weight", (hidden,), None
+        yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
+        yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
+        yield (
+            f"{prefix}.self_attn.v_proj.weight",
+            (kv_width, hidden),
+            _PROJECTION_GAIN / math.sqrt(hidden),
+        )
+        yield (
+            f"{prefix}.self_attn.o_proj.weight",
+            (hidden, heads_width),
+            _PROJECTION_GAIN / math.sqrt(heads_width),
+        )
+        yield f"{prefix}.post_attention_layernorm.weight", (hidden,), None
+        for name in ("gate_proj", "up_proj"):
+            yield (
+                f"{prefix}.mlp.{name}.weight",
+                (spec.intermediate, hidden),
+                _PROJECTION_GAIN / math.sqrt(hidden),
+            )
+        yield (
+            f"{prefix}.mlp.down_proj.weight",
+            (hidden, spec.intermediate),
+            _PROJECTION_GAIN / math.sqrt(spec.intermediate),
+        )
+    yield "model.norm.weight", (hidden,), None
+    yield "lm_head.weight", (spec.vocab_size, hidden), _LOGIT_STD / math.sqrt(hidden)
+
+
+def _write_weights(spec: TinyModelSpec, path: Path) -> None:
+    torch = deps.require_torch()
+    safetensors_torch = deps.require_safetensors_torch()
+    generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+    dtype = getattr(torch, spec.dtype)
+    tensors = {}
+    for name, shape, std in _weight_shapes(spec):
+        if std is None:
+            values = torch.ones(shape, dtype=torch.float32)
+        else:
+            values = torch.randn(shape, generator=generator, dtype=torch.float32) * std
+        tensors[name] = values.to(dtype).contiguous()
+    safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# A few frequent English words keep typical test prompts short in tokens; generated
+# pseudo-words give the BPE trainer enough distinct pairs to fill any vocabulary size.
+_COMMON_WORDS_TEXT = (
+    "the of and to a in is you that it he was for on are as with his they I at be this have "
+    "from or one had by word but not what all were we when your can said there use an each "
+    "which she do how their if will up other about out many then them these so some her would "
+    "make like him into time has look two more write go see number no way could people my than "
+    "first water been call who oil its now find long down day did get come made may part hello "
+    "name capital France Paris future model cache prefill decode transfer token layer head"
+)
+_COMMON_WORDS = tuple(_COMMON_WORDS_TEXT.split())
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+_PUNCTUATION = (".", ",", "!", "?", ";", ":")
+
+
+def _corpus_lines(line_count: int = 4000, seed: int = 1234) -> Iterator[str]:
+    """Deterministic training text: common words, pseudo-words, numbers and punctuation."""
+    rng = random.Random(seed)
+    for _ in range(line_count):
+        words = []
+        for _ in range(rng.randint(4, 16)):
+            roll = rng.random()
+            if roll < 0.5:
+                word = rng.choice(_COMMON_WORDS)
+            elif roll < 0.9:
+                word = "".join(
+                    rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 4))
+                )
+            else:
+                word = str(rng.randint(0, 99999))
+            if rng.random() < 0.1:
+                word = word.capitalize()
+            words.append(word)
+        yield " ".join(words) + rng.choice(_PUNCTUATION)
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    """Train a byte-level BPE tokenizer with exactly ``vocab_size`` tokens.
+
+    Byte-level BPE encodes any text, so prompts never hit an unknown token. If the corpus runs
+    out of merges before the requested size, reserved ``<unused_N>`` tokens fill the rest, so
+    every id the model can emit decodes.
+    """
+    tokenizers = deps.require_tokenizers()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    missing = vocab_size - tokenizer.get_vocab_size()
+    if missing > 0:
+        tokenizer.add_special_tokens([f"<unused_{index}>" for index in range(missing)])
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}"
+        )
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tokenizer
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_ascend_mooncake.testing.tiny_model",
+        description="Build (or find in the cache) a tiny random Llama model; print its path.",
+    )
+    for field in dataclasses.fields(TinyModelSpec):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "dtype":
+            parser.add_argument(flag, choices=SUPPORTED_DTYPES, default=field.default)
+        else:
+            parser.add_argument(flag, type=int, default=field.default)
+    parser.add_argument(
+        "--cache-root",
+        type=Path,
+        default=None,
+        help=f"cache directory (default: ${CACHE_ENV_VAR} or ~/.cache/vllm_ascend_mooncake/models)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command-line entry point: build the model and print its directory."""
+    args = _parse_args(argv)
+    spec = TinyModelSpec(
+        **{field.name: getattr(args, field.name) for field in dataclasses.fields(TinyModelSpec)}
+    )
+    print(build_tiny_model(spec, cache_root=args.cache_root))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Side-channel messages between decode and prefill workers (msgspec, versioned).
+
+Every message is a tagged msgspec struct inside an :class:`Envelope` that carries the protocol
+version, so a peer running an incompatible version is refused with a clear error instead of
+misreading fields. Decoding never trusts the peer: malformed bytes raise :class:`WireError`.
+
+Flow (decode pulls):
+1. decode -> prefill ``GetMetadata``; reply ``WorkerMetadata`` (cached by decode per peer).
+2. decode reads prefill memory with the transfer engine.
+3. decode -> prefill ``ReadDone`` (success or failure); reply ``Ack``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .layout import BlockOrder, LayoutError, Region, RegionLayout
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+class WireError(ValueError):
+    """A side-channel message could not be decoded or has the wrong version."""
+
+
+class RegionInfo(msgspec.Struct, frozen=True):
+    name: str
+    base: int
+    block_order: str
+    num_blocks: int
+    block_stride: int
+    num_heads: int
+    tokens_per_block: int
+    head_token_bytes: int
+
+    @classmethod
+    def of(cls, region: Region) -> RegionInfo:
+        layout = region.layout
+        return cls(
+            name=region.name,
+            base=region.base,
+            block_order=layout.block_order.value,
+            num_blocks=layout.num_blocks,
+            block_stride=layout.block_stride,
+            num_heads=layout.num_heads,
+            tokens_per_block=layout.tokens_per_block,
+            head_token_bytes=layout.head_token_bytes,
+        )
+
+    def to_region(self) -> Region:
+        try:
+            order = BlockOrder(self.block_order)
+        except ValueError as exc:
+            raise WireError(
+                f"unknown block order {self.block_order!r} for region {self.name}"
+            ) from exc
+        try:
+            layout = RegionLayout(
+                block_order=order,
+                num_blocks=self.num_blocks,
+                block_stride=self.block_stride,
+                num_heads=self.num_heads,
+                tokens_per_block=self.tokens_per_block,
+                head_token_bytes=self.head_token_bytes,
+            )
+        except LayoutError as exc:
+            raise WireError(f"peer region {self.name} is not a valid layout: {exc}") from exc
+        return Region(self.name, self.base, layout)
+
+
+class ModelIdentity(msgspec.Struct, frozen=True):
+    """What must match for two instances' KV bytes to be interchangeable."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    head_size: int
+    num_kv_heads: int
+    num_layers: int
+    is_mla: bool
+    attention_backend: str = ""
+
+
+class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
+    """A worker's registration, served by prefill workers to the decode workers that read them."""
+
+    engine_id: str
+    incarnation: str
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_size: int
+    te_session: str
+    identity: ModelIdentity
+    regions: list[RegionInfo]
+
+    def to_regions(self) -> list[Region]:
+        return [info.to_region() for info in self.regions]
+
+
+class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True):
+    pass
+
+
+class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
+    """A decode rank finished reading a request from this prefill rank (or gave up)."""
+
+    request_id: str
+    decode_rank: int
+    incarnation: str
+    success: bool
+    reason: str = ""
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    pass
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True):
+    message: str
+
+
+Message = GetMetadata | WorkerMetadata | ReadDone | Ack | ErrorReply
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    version: int
+    body: Message
+
+
+class _VersionOnly(msgspec.Struct):
+    version: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, message))
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message; raises :class:`WireError` on anything malformed or foreign.
+
+    The version is read first, so a peer of another version gets a version error rather than a
+    confusing field error.
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"side-channel message of {len(data)} B exceeds {MAX_MESSAGE_BYTES} B")
+    try:
+        version = _version_decoder.decode(data).version
+        if version != PROTOCOL_VERSION:
+            raise WireError(
+                f"peer speaks side-channel protocol v{version}, this worker "
+                f"v{PROTOCOL_VERSION}: run the same vllm-ascend-mooncake version on both sides"
+            )
+        return _decoder.decode(data).body
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed side-channel message: {exc}") from exc
