@@ -10,8 +10,10 @@ import logging
 
 
 def get_logger(name: str) -> logging.Logger:
+    """A logger under vLLM's ``vllm`` namespace, so vLLM's handlers, format and
+    ``VLLM_LOGGING_LEVEL`` apply (vLLM configures only that namespace)."""
     try:
         from vllm.logger import init_logger
     except ImportError:
         return logging.getLogger(name)
-    return init_logger(name)
+    return init_logger(f"vllm.plugins.{name}")

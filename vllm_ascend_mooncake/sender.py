@@ -48,6 +48,7 @@ class SendTracker:
         self._early: dict[str, tuple[set[int], float]] = {}
         self._finished: set[str] = set()
         self.num_expired = 0
+        self._expired_reported = 0
 
     def hold(self, request_id: str) -> None:
         """Start holding a request's blocks until its readers are done (or time runs out)."""
@@ -99,6 +100,13 @@ class SendTracker:
                     del self._early[request_id]
             finished, self._finished = self._finished, set()
         return finished
+
+    def take_expired_count(self) -> int:
+        """Releases by timeout since the last call (for stats)."""
+        with self._lock:
+            count = self.num_expired - self._expired_reported
+            self._expired_reported = self.num_expired
+        return count
 
     @property
     def num_held(self) -> int:

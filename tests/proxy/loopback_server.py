@@ -1,0 +1,60 @@
+"""Serve an ASGI app with uvicorn on a free loopback port in a background thread.
+
+The proxy tests talk real HTTP to real servers (the proxy and fake vLLM instances), so they
+exercise connection handling, streaming and refusals the way a deployment does.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+_STARTUP_TIMEOUT_S = 10.0
+
+
+@contextmanager
+def serve_on_loopback(app: Any) -> Iterator[str]:
+    """Run ``app`` until the block ends; yield its base URL (``http://127.0.0.1:PORT``)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name=f"uvicorn-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server on port {port} did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()
+
+
+@contextmanager
+def refusing_port() -> Iterator[str]:
+    """Yield the URL of a port that refuses connections, like an instance that is down.
+
+    The socket stays bound (so nothing else can take the port) but never listens, so the
+    kernel answers every connection attempt with a reset.
+    """
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    closed.bind(("127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{closed.getsockname()[1]}"
+    finally:
+        closed.close()

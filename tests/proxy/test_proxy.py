@@ -1,0 +1,525 @@
+"""The P/D proxy over real loopback HTTP, in front of fake vLLM instances.
+
+The fakes (``fake_vllm.py``) record what they receive, so each test checks both what the client
+gets back and what each prefill and decode instance was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fake_vllm import OMIT, FakeVllm
+from loopback_server import refusing_port, serve_on_loopback
+
+from vllm_ascend_mooncake.proxy import create_app
+from vllm_ascend_mooncake.proxy.balancer import Balancer
+from vllm_ascend_mooncake.proxy.cli import main
+from vllm_ascend_mooncake.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+CLIENT_BODIES = {
+    COMPLETIONS: {"model": "tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0.0},
+    CHAT: {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 8,
+        "max_completion_tokens": 8,
+        "seed": 7,
+    },
+}
+
+
+@dataclass
+class Fleet:
+    """Fake instances served for the whole module, and a URL where nothing listens."""
+
+    prefill_a: FakeVllm
+    prefill_b: FakeVllm
+    decode_a: FakeVllm
+    decode_b: FakeVllm
+    urls: dict[str, str]
+    dead_url: str
+
+    def url(self, fake: FakeVllm) -> str:
+        return self.urls[fake.name]
+
+    def all(self) -> list[FakeVllm]:
+        return [self.prefill_a, self.prefill_b, self.decode_a, self.decode_b]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    fakes = [FakeVllm(name) for name in ("prefill-a", "prefill-b", "decode-a", "decode-b")]
+    with ExitStack() as stack:
+        urls = {fake.name: stack.enter_context(serve_on_loopback(fake.app())) for fake in fakes}
+        dead_url = stack.enter_context(refusing_port())
+        yield Fleet(*fakes, urls=urls, dead_url=dead_url)
+
+
+@pytest.fixture(autouse=True)
+def well_behaved_fleet(fleet: Fleet) -> Iterator[None]:
+    for fake in fleet.all():
+        fake.reset()
+    yield
+    for fake in fleet.all():  # never leave a fake stream waiting on a gate
+        fake.stream_gate.set()
+
+
+StartProxy = Callable[..., httpx.Client]
+
+
+@pytest.fixture
+def start_proxy() -> Iterator[StartProxy]:
+    """Start a proxy over the given upstream URLs; return an HTTP client pointed at it."""
+    with ExitStack() as stack:
+
+        def start(prefill: Sequence[str], decode: Sequence[str], **options: Any) -> httpx.Client:
+            url = stack.enter_context(serve_on_loopback(create_app(prefill, decode, **options)))
+            return stack.enter_context(httpx.Client(base_url=url, timeout=20, trust_env=False))
+
+        yield start
+
+
+@pytest.fixture
+def proxy(fleet: Fleet, start_proxy: StartProxy) -> httpx.Client:
+    """A 1P1D proxy: prefill-a and decode-a."""
+    return start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a)])
+
+
+def only_request(fake: FakeVllm) -> dict[str, Any]:
+    """The body of the single generation request ``fake`` received."""
+    requests = fake.generation_requests()
+    assert len(requests) == 1, f"{fake.name} received {len(requests)} requests"
+    return requests[0].body
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_non_streamed_request_is_prefilled_then_decoded_with_the_prefill_params(
+    fleet: Fleet, proxy: httpx.Client, path: str
+) -> None:
+    client_body = CLIENT_BODIES[path]
+
+    response = proxy.post(path, json=client_body)
+
+    assert response.status_code == 200
+    assert response.json() == fleet.decode_a.completion(path)
+    prefill_request = fleet.prefill_a.generation_requests()[0]
+    assert prefill_request.path == path
+    assert prefill_request.body == {
+        **client_body,
+        "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS,
+        "max_tokens": 1,
+        **({"max_completion_tokens": 1} if "max_completion_tokens" in client_body else {}),
+        "stream": False,
+    }
+    assert only_request(fleet.decode_a) == {
+        **client_body,
+        "kv_transfer_params": fleet.prefill_a.kv_transfer_params,
+    }
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_streamed_request_relays_each_event_as_the_decode_sends_it(
+    fleet: Fleet, proxy: httpx.Client, path: str
+) -> None:
+    client_body = {
+        **CLIENT_BODIES[path],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 2,
+    }
+    first_event, *later_events = fleet.decode_a.stream_events(path)
+    fleet.decode_a.stream_gate.clear()  # the decode sends its first event, then waits
+
+    with proxy.stream("POST", path, json=client_body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        chunks = response.iter_raw()
+        received = b""
+        while len(received) < len(first_event):
+            received += next(chunks)
+        assert received == first_event, "the proxy must relay events before the stream ends"
+        fleet.decode_a.stream_gate.set()
+        received += b"".join(chunks)
+
+    assert received == first_event + b"".join(later_events)
+    prefill = only_request(fleet.prefill_a)
+    assert prefill["stream"] is False
+    assert prefill["max_tokens"] == 1
+    assert prefill["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    assert "stream_options" not in prefill
+    assert "min_tokens" not in prefill
+    assert only_request(fleet.decode_a) == {
+        **client_body,
+        "kv_transfer_params": fleet.prefill_a.kv_transfer_params,
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("status", "body", "media_type"),
+    [
+        (400, b'{"error": {"message": "prompt is too long", "code": 400}}', "application/json"),
+        (503, b"engine is overloaded", "text/plain"),
+    ],
+)
+def test_prefill_error_reaches_the_client_unchanged_and_skips_decode(
+    fleet: Fleet, proxy: httpx.Client, stream: bool, status: int, body: bytes, media_type: str
+) -> None:
+    fleet.prefill_a.canned_answer = (status, body, media_type)
+
+    response = proxy.post(COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": stream})
+
+    assert response.status_code == status
+    assert response.content == body
+    assert response.headers["content-type"].startswith(media_type)
+    assert fleet.decode_a.generation_requests() == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_error_reaches_the_client_unchanged(
+    fleet: Fleet, proxy: httpx.Client, stream: bool
+) -> None:
+    error_body = b'{"error": {"message": "KV cache pull failed", "code": 500}}'
+    fleet.decode_a.canned_answer = (500, error_body, "application/json")
+
+    response = proxy.post(CHAT, json={**CLIENT_BODIES[CHAT], "stream": stream})
+
+    assert response.status_code == 500
+    assert response.content == error_body
+    assert len(fleet.decode_a.generation_requests()) == 1
+
+
+@pytest.mark.parametrize("bad_params", ["engine-1", [1, 2], 7, True])
+def test_prefill_params_that_are_not_an_object_give_502_naming_the_prefill(
+    fleet: Fleet, proxy: httpx.Client, bad_params: Any
+) -> None:
+    fleet.prefill_a.kv_transfer_params = bad_params
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert fleet.url(fleet.prefill_a) in message
+    assert "kv_transfer_params must be a JSON object" in message
+    assert fleet.decode_a.generation_requests() == []
+
+
+def test_prefill_success_without_json_body_gives_502(fleet: Fleet, proxy: httpx.Client) -> None:
+    fleet.prefill_a.canned_answer = (200, b"<html>gateway page</html>", "text/html")
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert fleet.url(fleet.prefill_a) in message
+    assert "not JSON" in message
+
+
+@pytest.mark.parametrize("missing", [None, OMIT], ids=["null", "absent"])
+def test_decode_recomputes_when_prefill_returns_no_params(
+    fleet: Fleet, proxy: httpx.Client, missing: object
+) -> None:
+    fleet.prefill_a.kv_transfer_params = missing
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 200
+    assert only_request(fleet.decode_a) == CLIENT_BODIES[COMPLETIONS]
+
+
+def test_client_request_id_reaches_prefill_decode_and_the_response(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    response = proxy.post(
+        COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS], headers={"X-Request-Id": "req-42"}
+    )
+
+    assert response.headers["x-request-id"] == "req-42"
+    assert fleet.prefill_a.generation_requests()[0].headers["x-request-id"] == "req-42"
+    assert fleet.decode_a.generation_requests()[0].headers["x-request-id"] == "req-42"
+
+
+def test_generated_request_id_is_the_same_for_prefill_and_decode(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    first = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+    second = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    prefill_ids = [r.headers["x-request-id"] for r in fleet.prefill_a.generation_requests()]
+    decode_ids = [r.headers["x-request-id"] for r in fleet.decode_a.generation_requests()]
+    assert (
+        prefill_ids == decode_ids == [first.headers["x-request-id"], second.headers["x-request-id"]]
+    )
+    assert prefill_ids[0] != prefill_ids[1]
+
+
+def test_request_body_that_is_not_a_json_object_gives_400(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    not_json = proxy.post(COMPLETIONS, content=b"prompt=hello")
+    array = proxy.post(COMPLETIONS, json=["prompt"])
+
+    assert not_json.status_code == array.status_code == 400
+    assert fleet.prefill_a.generation_requests() == []
+
+
+def test_idle_instances_are_used_in_turn(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a), fleet.url(fleet.prefill_b)],
+        [fleet.url(fleet.decode_a), fleet.url(fleet.decode_b)],
+    )
+
+    for _ in range(4):
+        assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+
+    for fake in fleet.all():
+        assert len(fake.generation_requests()) == 2, fake.name
+    engines_pulled_from = Counter(
+        request.body["kv_transfer_params"]["remote_engine_id"]
+        for decode in (fleet.decode_a, fleet.decode_b)
+        for request in decode.generation_requests()
+    )
+    assert engines_pulled_from == {"engine-prefill-a": 2, "engine-prefill-b": 2}
+
+
+def test_busy_decode_is_avoided_until_its_stream_ends(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a), fleet.url(fleet.decode_b)]
+    )
+    fleet.decode_a.stream_gate.clear()
+
+    streamed_body = {**CLIENT_BODIES[COMPLETIONS], "stream": True}
+    with proxy.stream("POST", COMPLETIONS, json=streamed_body) as stream:
+        chunks = stream.iter_raw()
+        received = next(chunks)  # decode-a is now mid-stream
+        for _ in range(2):  # plain round-robin would send one of these to decode-a
+            assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+        fleet.decode_a.stream_gate.set()
+        received += b"".join(chunks)
+
+    assert received == b"".join(fleet.decode_a.stream_events(COMPLETIONS))
+
+    assert len(fleet.decode_a.generation_requests()) == 1
+    assert len(fleet.decode_b.generation_requests()) == 2
+    health = proxy.get("/health").json()
+    assert [report["in_flight"] for report in health["prefill"] + health["decode"]] == [0, 0, 0]
+
+
+def test_client_leaving_mid_stream_frees_the_decode(fleet: Fleet, proxy: httpx.Client) -> None:
+    fleet.decode_a.stream_gate.clear()
+
+    streamed_body = {**CLIENT_BODIES[COMPLETIONS], "stream": True}
+    with proxy.stream("POST", COMPLETIONS, json=streamed_body) as stream:
+        next(stream.iter_raw())
+    proxy.close()  # the client hangs up while the decode is still streaming
+
+    with httpx.Client(base_url=proxy.base_url, timeout=20, trust_env=False) as observer:
+        deadline = time.monotonic() + 5
+        while observer.get("/health").json()["decode"][0]["in_flight"] != 0:
+            assert time.monotonic() < deadline, "the proxy still counts the abandoned stream"
+            time.sleep(0.05)
+
+
+def test_instances_that_refuse_connections_are_skipped(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy(
+        [fleet.dead_url, fleet.url(fleet.prefill_a)], [fleet.dead_url, fleet.url(fleet.decode_a)]
+    )
+
+    for _ in range(3):
+        assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+
+    assert len(fleet.prefill_a.generation_requests()) == 3
+    assert len(fleet.decode_a.generation_requests()) == 3
+
+
+def test_no_reachable_decode_gives_502_naming_what_was_tried(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.dead_url])
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert "no decode instance accepted a connection" in message
+    assert fleet.dead_url in message
+    assert len(fleet.prefill_a.generation_requests()) == 1
+
+
+def test_no_reachable_prefill_gives_502_and_skips_decode(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy([fleet.dead_url], [fleet.url(fleet.decode_a)])
+
+    response = proxy.post(COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": True})
+
+    assert response.status_code == 502
+    assert "no prefill instance accepted a connection" in response.json()["error"]["message"]
+    assert fleet.decode_a.generation_requests() == []
+
+
+def test_slow_upstream_gives_504_after_the_timeout(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a)], timeout_s=0.3)
+    fleet.decode_a.delay_s = 1.5
+
+    started = time.monotonic()
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 504
+    assert fleet.url(fleet.decode_a) in response.json()["error"]["message"]
+    assert time.monotonic() - started < 1.5
+
+
+def test_health_reports_each_upstream(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a), fleet.dead_url],
+        [fleet.url(fleet.decode_a), fleet.url(fleet.decode_b)],
+    )
+    fleet.decode_b.health_status = 503
+
+    response = proxy.get("/health")
+
+    assert response.status_code == 200
+    report = response.json()
+    assert report["status"] == "healthy"
+    assert [(p["url"], p["healthy"]) for p in report["prefill"]] == [
+        (fleet.url(fleet.prefill_a), True),
+        (fleet.dead_url, False),
+    ]
+    assert [(d["healthy"], d["status_code"]) for d in report["decode"]] == [
+        (True, 200),
+        (False, 503),
+    ]
+
+
+def test_health_is_503_without_a_healthy_decode(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a), fleet.dead_url])
+    fleet.decode_a.health_status = 500
+
+    response = proxy.get("/health")
+
+    assert response.status_code == 503
+    assert response.json()["status"] == "unhealthy"
+
+
+def test_models_come_from_a_decode_instance(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.dead_url, fleet.url(fleet.decode_b)])
+
+    response = proxy.get("/v1/models")
+
+    assert response.status_code == 200
+    assert response.json()["data"][0]["owned_by"] == "decode-b"
+    assert fleet.prefill_a.received == []
+
+
+def test_balancer_breaks_ties_round_robin() -> None:
+    balancer = Balancer("decode", ["http://a", "http://b/", "http://c"])
+    chosen = []
+    for _ in range(6):
+        upstream = balancer.ranked()[0]
+        balancer.acquire(upstream)
+        balancer.release(upstream)
+        chosen.append(upstream.url)
+
+    assert chosen == ["http://a", "http://b", "http://c"] * 2
+
+
+def test_balancer_prefers_the_least_busy_instance() -> None:
+    balancer = Balancer("decode", ["http://a", "http://b", "http://c"])
+    a, b, c = balancer.upstreams
+    for upstream in (a, b, c, a):
+        balancer.acquire(upstream)  # in flight: a=2, b=1, c=1; the cursor is on b
+    balancer.release(c)
+
+    assert balancer.ranked() == [c, b, a]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "error"),
+    [
+        ([], ["http://d"], "at least one prefill"),
+        (["http://p"], ["http://d", "http://d/"], "listed more than once"),
+    ],
+)
+def test_create_app_rejects_bad_instance_lists(
+    prefill: list[str], decode: list[str], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        create_app(prefill, decode)
+
+
+def test_balancer_refuses_to_release_more_than_it_acquired() -> None:
+    balancer = Balancer("prefill", ["http://a"])
+    with pytest.raises(RuntimeError, match="released more than acquired"):
+        balancer.release(balancer.upstreams[0])
+
+
+@pytest.mark.parametrize("bad_url", ["127.0.0.1:8100", "http://host:8100/v1", "ftp://host"])
+def test_cli_rejects_urls_that_are_not_base_urls(
+    bad_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--prefill", bad_url, "--decode", "http://127.0.0.1:8200"])
+
+    assert exit_info.value.code == 2
+    assert "--prefill" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_cli_serves_the_proxy(fleet: Fleet) -> None:
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_ascend_mooncake.proxy",
+        "--port",
+        str(port),
+        "--prefill",
+        fleet.url(fleet.prefill_a),
+        "--decode",
+        fleet.url(fleet.decode_a),
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False) as client:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    health = client.get("/health")
+                    break
+                except httpx.ConnectError:
+                    assert process.poll() is None, process.stdout.read().decode()
+                    assert time.monotonic() < deadline, "vam-proxy did not start in 20 s"
+                    time.sleep(0.1)
+            completion = client.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+    assert health.status_code == 200
+    assert completion.status_code == 200
+    assert json.loads(completion.content) == fleet.decode_a.completion(COMPLETIONS)

@@ -1,0 +1,250 @@
+"""``kv_connector_extra_config`` and the engine config -> one validated, frozen connector config.
+
+Every key is documented in ``docs/configuration.md``. Unknown keys, wrong types and sizes that do
+not match the running engine are refused at start-up with a message that names the key, so a typo
+cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .topology import TopologyError, TransferTopology
+
+CONNECTOR_NAME = "MooncakeHeteroConnector"
+
+DEFAULT_SIDE_CHANNEL_PORT = 36100
+DEFAULT_RELEASE_TIMEOUT_S = 120.0
+DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
+DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
+DEFAULT_RECEIVER_THREADS = 4
+DEFAULT_STAGING_BUFFER_MIB = 64
+
+
+class ConnectorConfigError(ValueError):
+    """The connector configuration is invalid for this engine."""
+
+
+@dataclass(frozen=True)
+class InstanceSizes:
+    """Parallel sizes of one side of the deployment (prefill or decode)."""
+
+    tp_size: int
+    dp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    role: str  # "producer" (prefill) or "consumer" (decode)
+    engine_id: str
+    prefill: InstanceSizes
+    decode: InstanceSizes
+    num_kv_heads: int
+    is_mla: bool
+    block_size: int
+    protocol: str
+    device_name: str
+    side_channel_host: str
+    side_channel_port: int
+    release_timeout_s: float
+    side_channel_timeout_s: float
+    max_descriptors_per_batch: int
+    coalesce_runs: bool
+    receiver_threads: int
+    staging_buffer_mib: int
+    dp_rank: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role == "producer"
+
+    @property
+    def local(self) -> InstanceSizes:
+        return self.prefill if self.is_producer else self.decode
+
+    def topology(self) -> TransferTopology:
+        return TransferTopology(
+            self.num_kv_heads, self.prefill.tp_size, self.decode.tp_size, is_mla=self.is_mla
+        )
+
+    def side_channel_base_port(self, dp_rank: int | None = None) -> int:
+        """Port of TP rank 0 of a prefill DP rank; TP rank ``r`` listens on base + ``r``."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        return self.side_channel_port + rank * self.prefill.tp_size
+
+
+_KEYS = {
+    "prefill": "dict with tp_size (and dp_size) of the prefill instance",
+    "decode": "dict with tp_size (and dp_size) of the decode instance",
+    "protocol": "Mooncake transport: tcp, rdma or ascend (default: by device)",
+    "device_name": "Mooncake device/NIC list, '' for auto",
+    "side_channel_host": "address prefill workers listen on (default: VLLM_HOST_IP)",
+    "side_channel_port": "base port of the prefill side channel",
+    "release_timeout_s": "prefill releases blocks nobody read after this many seconds",
+    "side_channel_timeout_s": "timeout of one side-channel exchange",
+    "max_descriptors_per_batch": "cap on descriptors per transfer call",
+    "coalesce_runs": "run-level coalescing for heterogeneous TP",
+    "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
+    "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
+}
+
+
+def _expect(extra: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = extra.get(key, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config[{key!r}] must be {getattr(kind, '__name__', kind)}, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be > 0, got {value}")
+
+
+def _sizes(extra: dict[str, Any], side: str, default_tp: int) -> InstanceSizes:
+    raw = extra.get(side, {"tp_size": default_tp})
+    if not isinstance(raw, dict) or set(raw) - {"tp_size", "dp_size"}:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config[{side!r}] must be a dict with keys tp_size and dp_size, "
+            f"got {raw!r}"
+        )
+    tp, dp = raw.get("tp_size", default_tp), raw.get("dp_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConnectorConfigError(f"{side}.tp_size must be a positive integer, got {tp!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConnectorConfigError(f"{side}.dp_size must be a positive integer, got {dp!r}")
+    return InstanceSizes(tp, dp)
+
+
+def parse_config(
+    *,
+    kv_role: str,
+    engine_id: str,
+    extra: dict[str, Any] | None,
+    local_tp: int,
+    local_dp: int,
+    local_pp: int = 1,
+    dp_rank: int = 0,
+    num_kv_heads: int,
+    is_mla: bool,
+    block_size: int,
+    device_type: str,
+) -> ConnectorConfig:
+    """Validate the user's settings against the running engine."""
+    from .engine import default_protocol
+
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        known = ", ".join(sorted(_KEYS))
+        raise ConnectorConfigError(
+            f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known}"
+        )
+    roles = {"kv_producer": "producer", "kv_consumer": "consumer"}
+    if kv_role not in roles:
+        raise ConnectorConfigError(
+            f"kv_role {kv_role!r} is not supported by {CONNECTOR_NAME}: run the prefill instance "
+            f"with kv_producer and the decode instance with kv_consumer"
+        )
+    role = roles[kv_role]
+    if local_pp != 1:
+        raise ConnectorConfigError(
+            f"pipeline parallelism ({local_pp} stages) is not supported by {CONNECTOR_NAME}; "
+            f"use tensor parallelism"
+        )
+    prefill = _sizes(extra, "prefill", local_tp)
+    decode = _sizes(extra, "decode", local_tp)
+    local = prefill if role == "producer" else decode
+    side = "prefill" if role == "producer" else "decode"
+    if local.tp_size != local_tp:
+        raise ConnectorConfigError(
+            f"this {side} instance runs tensor parallel size {local_tp}, but "
+            f"kv_connector_extra_config[{side!r}].tp_size is {local.tp_size}"
+        )
+    if local.dp_size != local_dp:
+        raise ConnectorConfigError(
+            f"this {side} instance runs data parallel size {local_dp}, but "
+            f"kv_connector_extra_config[{side!r}].dp_size is {local.dp_size}"
+        )
+    try:
+        TransferTopology(num_kv_heads, prefill.tp_size, decode.tp_size, is_mla=is_mla)
+    except TopologyError as exc:
+        raise ConnectorConfigError(f"cannot pair these instances: {exc}") from exc
+
+    port = _expect(extra, "side_channel_port", int, DEFAULT_SIDE_CHANNEL_PORT)
+    if not 1 <= port or port + prefill.dp_size * prefill.tp_size > 65536:
+        raise ConnectorConfigError(
+            f"side_channel_port {port} leaves no room for {prefill.dp_size * prefill.tp_size} "
+            f"prefill workers below 65536"
+        )
+    config = ConnectorConfig(
+        role=role,
+        engine_id=engine_id,
+        prefill=prefill,
+        decode=decode,
+        num_kv_heads=num_kv_heads,
+        is_mla=is_mla,
+        block_size=block_size,
+        protocol=_expect(extra, "protocol", str, default_protocol(device_type)),
+        device_name=_expect(extra, "device_name", str, ""),
+        side_channel_host=_expect(
+            extra, "side_channel_host", str, os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+        ),
+        side_channel_port=port,
+        release_timeout_s=_expect(extra, "release_timeout_s", float, DEFAULT_RELEASE_TIMEOUT_S),
+        side_channel_timeout_s=_expect(
+            extra, "side_channel_timeout_s", float, DEFAULT_SIDE_CHANNEL_TIMEOUT_S
+        ),
+        max_descriptors_per_batch=_expect(
+            extra, "max_descriptors_per_batch", int, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+        ),
+        coalesce_runs=_expect(extra, "coalesce_runs", bool, True),
+        receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
+        staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
+        dp_rank=dp_rank,
+        extra=extra,
+    )
+    for key in (
+        "release_timeout_s",
+        "side_channel_timeout_s",
+        "max_descriptors_per_batch",
+        "receiver_threads",
+        "staging_buffer_mib",
+    ):
+        _positive(key, getattr(config, key))
+    if config.protocol not in ("tcp", "rdma", "ascend", "nvlink", "efa"):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config['protocol'] {config.protocol!r} is not a Mooncake "
+            f"transport (tcp, rdma, ascend)"
+        )
+    return config
+
+
+def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
+    """Build the connector config from vLLM's ``VllmConfig``."""
+    from vllm.platforms import current_platform
+
+    transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    return parse_config(
+        kv_role=transfer.kv_role,
+        engine_id=transfer.engine_id,
+        extra=transfer.kv_connector_extra_config,
+        local_tp=parallel.tensor_parallel_size,
+        local_dp=parallel.data_parallel_size,
+        local_pp=parallel.pipeline_parallel_size,
+        dp_rank=parallel.data_parallel_rank,
+        num_kv_heads=model.get_total_num_kv_heads(),
+        is_mla=bool(model.use_mla),
+        block_size=vllm_config.cache_config.block_size,
+        device_type=current_platform.device_type,
+    )

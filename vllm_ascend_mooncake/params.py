@@ -1,0 +1,71 @@
+"""The ``kv_transfer_params`` contract between prefill, proxy and decode, validated on arrival.
+
+Prefill returns :class:`RemotePrefill` in its response; the proxy copies it into the decode
+request. The decode side never trusts it: wrong types, out-of-range values, oversized block lists
+or a mismatch with the decode's own prompt are rejected with a reason, and the request is then
+served by a local prefill instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MAX_REMOTE_BLOCKS = 1 << 20
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params that cannot be acted upon."""
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """What a decode instance needs to pull a request's KV from a prefill instance."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int]
+    remote_tp_size: int
+    remote_num_tokens: int
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+
+def parse_remote_prefill(
+    params: dict[str, Any], *, prefill_tp: int, block_size: int, num_prompt_tokens: int
+) -> RemotePrefill:
+    """Validate decode-side params against this deployment and the request's own prompt."""
+    try:
+        parsed = msgspec.convert(params, RemotePrefill, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidTransferParams(f"malformed kv_transfer_params: {exc}") from exc
+    if not 0 < parsed.remote_port < 65536:
+        raise InvalidTransferParams(f"remote_port {parsed.remote_port} is not a TCP port")
+    if not parsed.remote_host or not parsed.remote_engine_id or not parsed.remote_request_id:
+        raise InvalidTransferParams("remote_host, remote_engine_id and remote_request_id are required")
+    if parsed.remote_tp_size != prefill_tp:
+        raise InvalidTransferParams(
+            f"the prefill instance runs TP {parsed.remote_tp_size} but this decode instance is "
+            f"configured for prefill TP {prefill_tp}"
+        )
+    if parsed.remote_num_tokens != num_prompt_tokens:
+        raise InvalidTransferParams(
+            f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
+            f"request has {num_prompt_tokens}: the prompts differ"
+        )
+    expected_blocks = -(-num_prompt_tokens // block_size)
+    blocks = parsed.remote_block_ids
+    if len(blocks) > MAX_REMOTE_BLOCKS or len(blocks) != expected_blocks:
+        raise InvalidTransferParams(
+            f"{len(blocks)} remote blocks for {num_prompt_tokens} tokens of block size "
+            f"{block_size} (expected {expected_blocks})"
+        )
+    if any(b < 0 for b in blocks):
+        raise InvalidTransferParams("negative remote block id")
+    return parsed

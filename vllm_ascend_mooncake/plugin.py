@@ -1,0 +1,21 @@
+"""vLLM general plugin: make the connector available by name in every vLLM process.
+
+Installed through the ``vllm.general_plugins`` entry point, which vLLM loads in the CLI, the engine
+core and every worker before configs are built. Registration is lazy (vLLM imports the module only
+when the connector is used) and idempotent, because vLLM may load plugins more than once. The name
+differs from vLLM's own ``MooncakeConnector`` and vllm-ascend's ``MooncakeConnectorV1``.
+"""
+
+from __future__ import annotations
+
+from .config import CONNECTOR_NAME
+
+CONNECTOR_MODULE = "vllm_ascend_mooncake.connector"
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

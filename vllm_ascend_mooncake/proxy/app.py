@@ -1,0 +1,349 @@
+"""The proxy's HTTP app: each completion request runs on a prefill instance, then on a decode one.
+
+Clients see one OpenAI-compatible server. For every request the proxy asks a prefill instance for
+one token with ``do_remote_decode`` (so it keeps the prompt's KV cache), then sends the client's
+request with the prefill's ``kv_transfer_params`` to a decode instance, which pulls that cache
+over Mooncake instead of recomputing it, and relays the decode's answer. Upstream answers that
+are errors reach the client unchanged, so it sees what vLLM said, not the proxy's paraphrase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .balancer import Balancer, Upstream
+from .payloads import (
+    InvalidPrefillResponse,
+    decode_body,
+    kv_transfer_params_from_prefill,
+    prefill_body,
+)
+
+logger = logging.getLogger(__name__)
+
+#: First requests to a vLLM CPU engine with TP=2 can take ~100 s (warm-up, compilation).
+DEFAULT_TIMEOUT_S = 600.0
+#: A host that drops packets should be skipped long before the request timeout.
+CONNECT_TIMEOUT_S = 10.0
+#: ``GET /health`` must answer promptly even when an upstream hangs.
+HEALTH_TIMEOUT_S = 5.0
+
+REQUEST_ID_HEADER = "X-Request-Id"
+#: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
+_FORWARDED_HEADERS = ("Authorization",)
+
+
+class UpstreamUnreachable(Exception):
+    """No instance of a role accepted a connection."""
+
+    def __init__(self, role: str, path: str, attempts: Sequence[str]) -> None:
+        super().__init__(
+            f"no {role} instance accepted a connection for {path}; tried: {'; '.join(attempts)}"
+        )
+
+
+def error_response(status_code: int, message: str, error_type: str) -> JSONResponse:
+    """Return an error in the OpenAI/vLLM shape, so clients parse proxy errors like vLLM's."""
+    return JSONResponse(
+        {"error": {"message": message, "type": error_type, "code": status_code}},
+        status_code=status_code,
+    )
+
+
+def _relayed_headers(upstream_response: httpx.Response, request_id: str | None) -> dict[str, str]:
+    """Headers to give the client: the upstream's content type and the request's id."""
+    headers = {}
+    if "content-type" in upstream_response.headers:
+        headers["content-type"] = upstream_response.headers["content-type"]
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    return headers
+
+
+def _passthrough(upstream_response: httpx.Response, request_id: str | None) -> Response:
+    """Return a fully read upstream response to the client with its status and body unchanged."""
+    return Response(
+        content=upstream_response.content,
+        status_code=upstream_response.status_code,
+        headers=_relayed_headers(upstream_response, request_id),
+    )
+
+
+def _failed_url(error: httpx.HTTPError) -> str:
+    """The URL an httpx error is about, for messages."""
+    try:
+        return str(error.request.url)
+    except RuntimeError:
+        return "an upstream"
+
+
+class DisaggregatingProxy:
+    """Routes requests over the prefill and decode instances through one shared HTTP client."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, prefill: Balancer, decode: Balancer, timeout_s: float
+    ) -> None:
+        self.client = client
+        self.prefill = prefill
+        self.decode = decode
+        self.timeout_s = timeout_s
+
+    async def open(
+        self,
+        balancer: Balancer,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        json_body: dict[str, Any] | None = None,
+    ) -> tuple[Upstream, httpx.Response]:
+        """Send to the best instance that accepts the connection; the body is left unread.
+
+        Only connection failures move on to the next instance: the request never reached that
+        one, so trying another cannot run it twice. The returned instance is counted as busy
+        until the caller releases it.
+        """
+        attempts = []
+        for upstream in balancer.ranked():
+            balancer.acquire(upstream)
+            request = self.client.build_request(
+                method, f"{upstream.url}{path}", headers=headers, json=json_body
+            )
+            try:
+                response = await self.client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                balancer.release(upstream)
+                attempts.append(f"{upstream.url} ({type(error).__name__}: {error})")
+                logger.warning(
+                    "%s instance %s refused %s %s (%s); trying the next one",
+                    balancer.role,
+                    upstream.url,
+                    method,
+                    path,
+                    error,
+                )
+                continue
+            except BaseException:
+                balancer.release(upstream)
+                raise
+            return upstream, response
+        raise UpstreamUnreachable(balancer.role, path, attempts)
+
+    async def fetch(
+        self,
+        balancer: Balancer,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        json_body: dict[str, Any] | None = None,
+    ) -> tuple[Upstream, httpx.Response]:
+        """Like :meth:`open`, but read the whole body and release the instance."""
+        upstream, response = await self.open(balancer, method, path, headers, json_body)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+            balancer.release(upstream)
+        return upstream, response
+
+    async def relay(
+        self, balancer: Balancer, upstream: Upstream, response: httpx.Response, request_id: str
+    ) -> Response:
+        """Give an opened upstream response to the client: event streams chunk by chunk."""
+        is_event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        if not (response.is_success and is_event_stream):
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+                balancer.release(upstream)
+            return _passthrough(response, request_id)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            # Runs until the stream ends or the client goes away (Starlette then cancels it);
+            # either way the upstream connection is closed, which makes vLLM abort the request.
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as error:
+                logger.error(
+                    "request %s: stream from %s broke off: %r", request_id, upstream.url, error
+                )
+                raise
+            finally:
+                await response.aclose()
+                balancer.release(upstream)
+
+        return StreamingResponse(
+            chunks(),
+            status_code=response.status_code,
+            headers=_relayed_headers(response, request_id),
+        )
+
+    async def generate(self, request: Request, path: str) -> Response:
+        """Run one completion request through prefill, then decode."""
+        try:
+            client_body = json.loads(await request.body())
+        except ValueError as error:
+            return error_response(400, f"request body is not JSON: {error}", "BadRequestError")
+        if not isinstance(client_body, dict):
+            return error_response(400, "request body must be a JSON object", "BadRequestError")
+        request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        headers = {REQUEST_ID_HEADER: request_id}
+        for name in _FORWARDED_HEADERS:
+            if name in request.headers:
+                headers[name] = request.headers[name]
+
+        try:
+            prefill_upstream, prefill_response = await self.fetch(
+                self.prefill, "POST", path, headers, prefill_body(client_body)
+            )
+            if not prefill_response.is_success:
+                logger.warning(
+                    "request %s: prefill %s answered %d; passing it to the client",
+                    request_id,
+                    prefill_upstream.url,
+                    prefill_response.status_code,
+                )
+                return _passthrough(prefill_response, request_id)
+            try:
+                kv_transfer_params = kv_transfer_params_from_prefill(prefill_response.content)
+            except InvalidPrefillResponse as error:
+                return error_response(
+                    502,
+                    f"prefill instance {prefill_upstream.url} answered {path} with a response "
+                    f"the proxy cannot pass to a decode instance: {error}",
+                    "BadGatewayError",
+                )
+            if kv_transfer_params is None:
+                logger.warning(
+                    "request %s: prefill %s returned no kv_transfer_params; the decode instance "
+                    "will recompute the prompt",
+                    request_id,
+                    prefill_upstream.url,
+                )
+            decode_upstream, decode_response = await self.open(
+                self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+            )
+            logger.debug(
+                "request %s: %s prefilled on %s, decoding on %s",
+                request_id,
+                path,
+                prefill_upstream.url,
+                decode_upstream.url,
+            )
+            return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+        except UpstreamUnreachable as error:
+            return error_response(502, str(error), "BadGatewayError")
+        except httpx.TimeoutException as error:
+            return error_response(
+                504,
+                f"{_failed_url(error)} did not answer within {self.timeout_s:g} s "
+                f"({type(error).__name__}); raise --timeout-s if the instance is just slow",
+                "GatewayTimeoutError",
+            )
+        except httpx.HTTPError as error:
+            return error_response(
+                502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
+            )
+
+    async def models(self) -> Response:
+        """Return a decode instance's ``/v1/models`` (every instance serves the same model)."""
+        try:
+            _, response = await self.fetch(self.decode, "GET", "/v1/models", headers={})
+        except UpstreamUnreachable as error:
+            return error_response(502, str(error), "BadGatewayError")
+        except httpx.HTTPError as error:
+            return error_response(
+                502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
+            )
+        return _passthrough(response, request_id=None)
+
+    async def _probe(self, upstream: Upstream) -> dict[str, Any]:
+        """Ask one instance's ``/health``; an instance is healthy only if it answers 200."""
+        report: dict[str, Any] = {"url": upstream.url, "in_flight": upstream.in_flight}
+        try:
+            response = await self.client.get(f"{upstream.url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as error:
+            report.update(healthy=False, error=f"{type(error).__name__}: {error}")
+            return report
+        report.update(healthy=response.status_code == 200, status_code=response.status_code)
+        return report
+
+    async def health(self) -> JSONResponse:
+        """Report every instance; 503 unless at least one prefill and one decode are healthy."""
+        prefill_reports, decode_reports = await asyncio.gather(
+            asyncio.gather(*(self._probe(upstream) for upstream in self.prefill.upstreams)),
+            asyncio.gather(*(self._probe(upstream) for upstream in self.decode.upstreams)),
+        )
+        serving = any(report["healthy"] for report in prefill_reports) and any(
+            report["healthy"] for report in decode_reports
+        )
+        return JSONResponse(
+            {
+                "status": "healthy" if serving else "unhealthy",
+                "prefill": prefill_reports,
+                "decode": decode_reports,
+            },
+            status_code=200 if serving else 503,
+        )
+
+
+def create_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> FastAPI:
+    """Build the proxy app for the given prefill and decode instances (base URLs)."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    prefill = Balancer("prefill", prefill_urls)
+    decode = Balancer("decode", decode_urls)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # No connection limit: vLLM queues requests itself, and a pool limit here would only
+        # add a second, invisible queue. trust_env=False keeps HTTP(S)_PROXY settings from
+        # routing upstream traffic through a forward proxy.
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            trust_env=False,
+        ) as client:
+            app.state.proxy = DisaggregatingProxy(client, prefill, decode, timeout_s)
+            logger.info(
+                "proxying to prefill %s and decode %s",
+                [upstream.url for upstream in prefill.upstreams],
+                [upstream.url for upstream in decode.upstreams],
+            )
+            yield
+
+    app = FastAPI(title="vllm-ascend-mooncake P/D proxy", lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await request.app.state.proxy.generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.proxy.generate(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await request.app.state.proxy.models()
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return await request.app.state.proxy.health()
+
+    return app

@@ -1,0 +1,83 @@
+"""``vam-proxy``: serve the P/D proxy with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import uvicorn
+
+from .app import DEFAULT_TIMEOUT_S, create_app
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _base_url(value: str) -> str:
+    """Accept ``http(s)://host:port`` (no path), so a typo fails at start-up, not per request."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {value!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(
+            f"expected a base URL without a path (the proxy appends /v1/...), got {value!r}"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vam-proxy",
+        description="OpenAI-compatible proxy for vLLM prefill/decode disaggregation: each "
+        "request is prefilled on one instance and decoded on another, which pulls the KV cache "
+        "over Mooncake.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        type=_base_url,
+        metavar="URL",
+        help="base URL of a prefill vLLM instance; repeat for several",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        type=_base_url,
+        metavar="URL",
+        help="base URL of a decode vLLM instance; repeat for several",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait for an upstream (per read); default %(default)g",
+    )
+    parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = create_app(args.prefill, args.decode, timeout_s=args.timeout_s)
+    except ValueError as error:
+        logging.getLogger(__name__).error("%s", error)
+        return 2
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,77 @@
+"""The request bodies of a disaggregated request's two legs, and the check on what prefill returns.
+
+The connector reads ``kv_transfer_params`` from the request: on the prefill instance
+``do_remote_decode`` makes it keep the prompt's KV cache for a decode instance to pull, and the
+prefill's response carries the parameters (engine id, block ids, address) that the decode
+instance needs to pull it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: What tells the prefill instance to compute the prompt and hold its KV cache for a decode.
+PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+#: Keys that only make sense for the decode leg: the prefill leg is one non-streamed token, and
+#: vLLM rejects ``min_tokens`` greater than ``max_tokens``.
+_DECODE_ONLY_KEYS = ("stream_options", "min_tokens")
+
+
+def _json_type_name(value: Any) -> str:
+    """Name a parsed JSON value's type as JSON does, for error messages."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+    return names.get(type(value), type(value).__name__)
+
+
+class InvalidPrefillResponse(ValueError):
+    """A prefill instance answered 2xx with a body the proxy cannot hand to a decode instance."""
+
+
+def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
+    """Return the client's request rewritten for the prefill leg: one token, not streamed."""
+    body = {key: value for key, value in client_body.items() if key not in _DECODE_ONLY_KEYS}
+    body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return body
+
+
+def decode_body(
+    client_body: dict[str, Any], kv_transfer_params: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Return the client's request with the prefill's ``kv_transfer_params``.
+
+    Without them (the prefill did not hold the KV cache) the decode instance recomputes the
+    prompt, which yields what a colocated instance would.
+    """
+    body = {key: value for key, value in client_body.items() if key != "kv_transfer_params"}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def kv_transfer_params_from_prefill(response_body: bytes) -> dict[str, Any] | None:
+    """Return the ``kv_transfer_params`` object of a prefill response (``None`` if absent/null).
+
+    Raises :class:`InvalidPrefillResponse` if the body is not a JSON object or the parameters
+    are not an object: forwarding them would only make the decode instance fail less clearly.
+    """
+    try:
+        response = json.loads(response_body)
+    except ValueError as error:
+        raise InvalidPrefillResponse(f"the response is not JSON ({error})") from error
+    if not isinstance(response, dict):
+        raise InvalidPrefillResponse(
+            f"the response is a JSON {_json_type_name(response)}, not an object"
+        )
+    params = response.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise InvalidPrefillResponse(
+            "kv_transfer_params must be a JSON object, "
+            f"got a {_json_type_name(params)}: {json.dumps(params)[:200]}"
+        )
+    return params

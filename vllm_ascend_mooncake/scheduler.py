@@ -1,0 +1,174 @@
+"""Scheduler side of the connector: which requests to pull or hold, and the params to hand out.
+
+Decode: a request arriving with valid ``kv_transfer_params`` loads its uncached prompt blocks
+asynchronously; the pull (decode blocks <- prefill blocks, suffix-aligned when the decode side
+already caches a prefix) goes to the workers in the next step's metadata. Prefill: a request that
+finishes its single token keeps its blocks (delayed free) until every decode rank that reads them
+reports done; its response carries the params the proxy forwards to decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .config import ConnectorConfig
+from .log import get_logger
+from .params import InvalidTransferParams, RemotePrefill, parse_remote_prefill
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PullOrder:
+    """Decode workers: pull ``remote`` blocks (suffix) into ``local`` blocks for ``request_id``."""
+
+    request_id: str
+    transfer_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    remote_host: str
+    remote_port: int
+    remote_engine_id: str
+
+
+@dataclass
+class StepOrders:
+    """What the scheduler asks the workers to do this step (carried by the step metadata)."""
+
+    pulls: list[PullOrder] = field(default_factory=list)
+    holds: list[str] = field(default_factory=list)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ConnectorScheduler:
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self._remote: dict[str, RemotePrefill] = {}
+        self._orders = StepOrders()
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        """Validated params of a decode request that should pull its prompt, else None."""
+        if request.request_id in self._remote:
+            return self._remote[request.request_id]
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        if self.config.is_producer:
+            logger.warning(
+                "request %s asks to pull KV, but this is a prefill (kv_producer) instance; "
+                "computing it locally",
+                request.request_id,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        try:
+            remote = parse_remote_prefill(
+                params,
+                prefill_tp=self.config.prefill.tp_size,
+                block_size=self.config.block_size,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        except InvalidTransferParams as exc:
+            logger.warning(
+                "request %s: ignoring kv_transfer_params (%s); computing the prompt locally",
+                request.request_id,
+                exc,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        self._remote[request.request_id] = remote
+        return remote
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is None:
+            return
+        params = request.kv_transfer_params
+        params["do_remote_prefill"] = False  # one transfer per request
+        local: list[int] = []
+        if num_external_tokens > 0:
+            cached_blocks = (request.num_prompt_tokens - num_external_tokens) // self.config.block_size
+            needed = len(remote.remote_block_ids) - cached_blocks
+            local = blocks.get_unhashed_block_ids()[:needed]
+        self._orders.pulls.append(self._pull_order(request.request_id, remote, local))
+
+    def _pull_order(self, request_id: str, remote: RemotePrefill, local: list[int]) -> PullOrder:
+        return PullOrder(
+            request_id=request_id,
+            transfer_id=remote.remote_request_id,
+            local_block_ids=tuple(local),
+            remote_block_ids=tuple(remote.remote_block_ids),
+            remote_host=remote.remote_host,
+            remote_port=remote.remote_port,
+            remote_engine_id=remote.remote_engine_id,
+        )
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def build_step_orders(self) -> StepOrders:
+        orders, self._orders = self._orders, StepOrders()
+        return orders
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished before it was ever scheduled (aborted or rejected): an empty pull tells
+            # the prefill ranks to free their blocks now instead of at their timeout.
+            remote = self._remote.pop(request.request_id, None) or self._try_parse(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._orders.pulls.append(self._pull_order(request.request_id, remote, []))
+            return False, None
+        if not params.get("do_remote_decode") or not self.config.is_producer:
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or errored: nobody will read it
+        prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
+        if not prompt_blocks:
+            return False, None
+        self._orders.holds.append(request.request_id)
+        return True, RemotePrefill(
+            remote_engine_id=self.config.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.config.side_channel_base_port(),
+            remote_block_ids=list(prompt_blocks),
+            remote_tp_size=self.config.prefill.tp_size,
+            remote_num_tokens=request.num_prompt_tokens,
+        ).to_dict()
+
+    def _try_parse(self, request: Request) -> RemotePrefill | None:
+        try:
+            return parse_remote_prefill(
+                request.kv_transfer_params,
+                prefill_tp=self.config.prefill.tp_size,
+                block_size=self.config.block_size,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        except InvalidTransferParams:
+            return None

@@ -1,0 +1,214 @@
+"""Worker side of the connector: register the KV cache, run the sender or receiver, report.
+
+Every rank reports each request exactly once (vLLM counts one report per worker): a prefill rank
+that no decode rank reads reports at once; a decode rank reports after its own pulls and fix-up.
+A failed pull is reported finished *and* its blocks as load errors in the same step, so vLLM's
+``kv_load_failure_policy`` decides between recompute and error; its bytes are never used.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .config import ConnectorConfig
+from .engine import MooncakeEngine
+from .log import get_logger
+from .peers import PeerDirectory
+from .plan import StagingArea
+from .receiver import PullRequest, Receiver, ReceiverOptions, StagingPool
+from .registration import regions_from_vllm_views, storage_ranges
+from .relayout import LocalMemory
+from .scheduler import StepOrders
+from .sender import PrefillSender, SendTracker
+from .side_channel import SideChannelClient
+from .stats import TransferStats
+from .wire import ModelIdentity, RegionInfo, WorkerMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+logger = get_logger(__name__)
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(name), name
+    except Exception:
+        return 1 << 30, name
+
+
+class ConnectorWorker:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.config = config
+        self._vllm_config = vllm_config
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.engine: MooncakeEngine | None = None
+        self.sender: PrefillSender | None = None
+        self.receiver: Receiver | None = None
+        self._client: SideChannelClient | None = None
+        self._load_errors: set[int] = set()
+        self.stats = TransferStats()
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.platforms import current_platform
+
+        config, vllm_config = self.config, self._vllm_config
+        model = vllm_config.model_config
+        ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
+        regions = regions_from_vllm_views(
+            ordered,
+            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+            block_size=config.block_size,
+            is_mla=config.is_mla,
+        )
+        self._check_resolved_layout()
+        self.engine = MooncakeEngine(
+            config.side_channel_host,
+            config.protocol,
+            config.device_name,
+            device_type=current_platform.device_type,
+        )
+        tensors = list(ordered.values())
+        ranges = storage_ranges(tensors)
+        staging_tensors = self._staging_tensors(tensors[0]) if not config.is_producer else []
+        self.engine.register(ranges + storage_ranges(staging_tensors))
+        metadata = WorkerMetadata(
+            engine_id=config.engine_id,
+            incarnation=uuid.uuid4().hex,
+            tp_rank=self.tp_rank,
+            tp_size=config.local.tp_size,
+            dp_rank=config.dp_rank,
+            dp_size=config.local.dp_size,
+            pp_size=1,
+            te_session=self.engine.session,
+            identity=ModelIdentity(
+                model=model.served_model_name
+                if isinstance(model.served_model_name, str)
+                else str(model.model),
+                dtype=str(model.dtype),
+                kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+                block_size=config.block_size,
+                head_size=model.get_head_size(),
+                num_kv_heads=config.num_kv_heads,
+                num_layers=len(regions),
+                is_mla=config.is_mla,
+            ),
+            regions=[RegionInfo.of(r) for r in regions],
+        )
+        topology = config.topology()
+        if config.is_producer:
+            tracker = SendTracker(topology, self.tp_rank, config.release_timeout_s)
+            self.sender = PrefillSender(
+                metadata,
+                tracker,
+                config.side_channel_host,
+                config.side_channel_base_port() + self.tp_rank,
+            )
+        else:
+            self._client = SideChannelClient(config.side_channel_timeout_s)
+            staging = StagingPool(
+                [StagingArea(t.data_ptr(), t.numel()) for t in staging_tensors]
+            )
+            self.receiver = Receiver(
+                self.engine,
+                topology,
+                self.tp_rank,
+                regions,
+                LocalMemory.from_tensors([*tensors, *staging_tensors]),
+                PeerDirectory(self._client, metadata, topology),
+                self._client,
+                ReceiverOptions(
+                    max_descriptors_per_batch=config.max_descriptors_per_batch,
+                    coalesce_runs=config.coalesce_runs,
+                    num_threads=config.receiver_threads,
+                ),
+                staging,
+            )
+        logger.info(
+            "%s worker %d ready: %d KV regions (%s), %s",
+            config.role,
+            self.tp_rank,
+            len(regions),
+            regions[0].layout.block_order.value if regions else "none",
+            topology.describe(),
+        )
+
+    def _staging_tensors(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """A staging buffer, needed only when decode reads head slices of token-major blocks."""
+        import torch
+
+        topology = self.config.topology()
+        if topology.decode_heads_per_rank >= topology.prefill_heads_per_rank:
+            return []
+        size = self.config.staging_buffer_mib << 20
+        return [torch.empty(size, dtype=torch.uint8, device=like.device)]
+
+    def _check_resolved_layout(self) -> None:
+        try:
+            resolved = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        except Exception:
+            return
+        if not self.config.is_mla and resolved != "LBHNC":
+            logger.warning(
+                "KV cache layout resolved to %s instead of the preferred LBHNC (an attention "
+                "backend vetoed it); heterogeneous TP then re-lays blocks out after each pull",
+                resolved,
+            )
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def start_load_kv(self, orders: StepOrders) -> None:
+        if self.sender is not None:
+            for request_id in orders.holds:
+                self.sender.tracker.hold(request_id)
+        if self.receiver is not None:
+            for order in orders.pulls:
+                self.receiver.submit(
+                    PullRequest(
+                        request_id=order.request_id,
+                        transfer_id=order.transfer_id,
+                        local_block_ids=order.local_block_ids,
+                        remote_block_ids=order.remote_block_ids,
+                        remote_host=order.remote_host,
+                        remote_port=order.remote_port,
+                        remote_engine_id=order.remote_engine_id,
+                    )
+                )
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self.sender is not None:
+            sending = self.sender.tracker.take_finished()
+            self.stats.record_expired(self.sender.tracker.take_expired_count())
+        if self.receiver is not None:
+            done, failed = self.receiver.take_finished()
+            recving = done | set(failed)
+            for request_id, failure in failed.items():
+                logger.warning("KV load failed for request %s: %s", request_id, failure.reason)
+                self._load_errors.update(failure.local_block_ids)
+                self.stats.record_failure()
+            for pull in self.receiver.take_stats():
+                self.stats.record_pull(pull.seconds, pull.num_bytes, pull.num_descriptors)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.shutdown()
+        if self._client is not None:
+            self._client.close()
+        if self.engine is not None:
+            self.engine.close()
