@@ -36,7 +36,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         return msgspec.to_builtins(self)
 
 
-
 def parse_remote_prefill(
     params: dict[str, Any], *, prefill_tp: int, block_size: int, num_prompt_tokens: int
 ) -> RemotePrefill:
@@ -48,7 +47,9 @@ def parse_remote_prefill(
     if not 0 < parsed.remote_port < 65536:
         raise InvalidTransferParams(f"remote_port {parsed.remote_port} is not a TCP port")
     if not parsed.remote_host or not parsed.remote_engine_id or not parsed.remote_request_id:
-        raise InvalidTransferParams("remote_host, remote_engine_id and remote_request_id are required")
+        raise InvalidTransferParams(
+            "remote_host, remote_engine_id and remote_request_id are required"
+        )
     if parsed.remote_tp_size != prefill_tp:
         raise InvalidTransferParams(
             f"the prefill instance runs TP {parsed.remote_tp_size} but this decode instance is "

@@ -108,7 +108,9 @@ class ConnectorScheduler:
         params["do_remote_prefill"] = False  # one transfer per request
         local: list[int] = []
         if num_external_tokens > 0:
-            cached_blocks = (request.num_prompt_tokens - num_external_tokens) // self.config.block_size
+            cached_blocks = (
+                request.num_prompt_tokens - num_external_tokens
+            ) // self.config.block_size
             needed = len(remote.remote_block_ids) - cached_blocks
             local = blocks.get_unhashed_block_ids()[:needed]
         self._orders.pulls.append(self._pull_order(request.request_id, remote, local))
@@ -130,7 +132,9 @@ class ConnectorScheduler:
         orders, self._orders = self._orders, StepOrders()
         return orders
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -146,7 +150,10 @@ class ConnectorScheduler:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
             return False, None  # aborted or errored: nobody will read it
         prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
         if not prompt_blocks:

@@ -78,7 +78,11 @@ class TransferStats(KVConnectorStats):
             "Avg pull time (ms)": round(1e3 * total_seconds / len(seconds), 3) if seconds else 0,
             "Total MB pulled": round(total_bytes / 1e6, 3),
             "Avg descriptors per pull": (
-                round(sum(self.data.get("pull_descriptors", [])) / len(seconds), 1) if seconds else 0
+                round(sum(self.data.get("pull_descriptors", [])) / len(seconds), 1)
+                if seconds
+                else 0
             ),
-            "Throughput (MB/s)": round(total_bytes / 1e6 / total_seconds, 1) if total_seconds else 0,
+            "Throughput (MB/s)": round(total_bytes / 1e6 / total_seconds, 1)
+            if total_seconds
+            else 0,
         }

@@ -113,9 +113,7 @@ class ConnectorWorker:
             )
         else:
             self._client = SideChannelClient(config.side_channel_timeout_s)
-            staging = StagingPool(
-                [StagingArea(t.data_ptr(), t.numel()) for t in staging_tensors]
-            )
+            staging = StagingPool([StagingArea(t.data_ptr(), t.numel()) for t in staging_tensors])
             self.receiver = Receiver(
                 self.engine,
                 topology,

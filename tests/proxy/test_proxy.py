@@ -174,6 +174,7 @@ def test_streamed_request_relays_each_event_as_the_decode_sends_it(
         (400, b'{"error": {"message": "prompt is too long", "code": 400}}', "application/json"),
         (503, b"engine is overloaded", "text/plain"),
     ],
+    ids=["json-400", "text-503"],
 )
 def test_prefill_error_reaches_the_client_unchanged_and_skips_decode(
     fleet: Fleet, proxy: httpx.Client, stream: bool, status: int, body: bytes, media_type: str

@@ -13,13 +13,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .balancer import Balancer, Upstream
 from .payloads import (
@@ -85,6 +86,49 @@ def _failed_url(error: httpx.HTTPError) -> str:
         return str(error.request.url)
     except RuntimeError:
         return "an upstream"
+
+
+def upstream_failure_response(error: Exception, timeout_s: float) -> JSONResponse:
+    """Map a failure to reach or read an upstream to 502, or 504 when it was too slow."""
+    if isinstance(error, httpx.TimeoutException):
+        return error_response(
+            504,
+            f"{_failed_url(error)} did not answer within {timeout_s:g} s "
+            f"({type(error).__name__}); raise --timeout-s if the instance is just slow",
+            "GatewayTimeoutError",
+        )
+    if isinstance(error, httpx.HTTPError):
+        return error_response(
+            502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
+        )
+    return error_response(502, str(error), "BadGatewayError")
+
+
+class _UpstreamStreamResponse(StreamingResponse):
+    """A relayed stream that runs ``close`` once it is over, however it ends.
+
+    A ``finally`` in the chunk generator is not enough: if the client hangs up before the
+    first chunk, the generator never starts and its ``finally`` never runs, which would leave
+    the upstream connection open and the instance counted as busy for good. Closing the
+    upstream connection also tells vLLM to abort the request.
+    """
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        close: Callable[[], Awaitable[None]],
+        *,
+        status_code: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 class DisaggregatingProxy:
@@ -169,8 +213,6 @@ class DisaggregatingProxy:
             return _passthrough(response, request_id)
 
         async def chunks() -> AsyncIterator[bytes]:
-            # Runs until the stream ends or the client goes away (Starlette then cancels it);
-            # either way the upstream connection is closed, which makes vLLM abort the request.
             try:
                 async for chunk in response.aiter_raw():
                     yield chunk
@@ -179,12 +221,14 @@ class DisaggregatingProxy:
                     "request %s: stream from %s broke off: %r", request_id, upstream.url, error
                 )
                 raise
-            finally:
-                await response.aclose()
-                balancer.release(upstream)
 
-        return StreamingResponse(
+        async def close() -> None:
+            await response.aclose()
+            balancer.release(upstream)
+
+        return _UpstreamStreamResponse(
             chunks(),
+            close,
             status_code=response.status_code,
             headers=_relayed_headers(response, request_id),
         )
@@ -242,30 +286,15 @@ class DisaggregatingProxy:
                 decode_upstream.url,
             )
             return await self.relay(self.decode, decode_upstream, decode_response, request_id)
-        except UpstreamUnreachable as error:
-            return error_response(502, str(error), "BadGatewayError")
-        except httpx.TimeoutException as error:
-            return error_response(
-                504,
-                f"{_failed_url(error)} did not answer within {self.timeout_s:g} s "
-                f"({type(error).__name__}); raise --timeout-s if the instance is just slow",
-                "GatewayTimeoutError",
-            )
-        except httpx.HTTPError as error:
-            return error_response(
-                502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
-            )
+        except (UpstreamUnreachable, httpx.HTTPError) as error:
+            return upstream_failure_response(error, self.timeout_s)
 
     async def models(self) -> Response:
         """Return a decode instance's ``/v1/models`` (every instance serves the same model)."""
         try:
             _, response = await self.fetch(self.decode, "GET", "/v1/models", headers={})
-        except UpstreamUnreachable as error:
-            return error_response(502, str(error), "BadGatewayError")
-        except httpx.HTTPError as error:
-            return error_response(
-                502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
-            )
+        except (UpstreamUnreachable, httpx.HTTPError) as error:
+            return upstream_failure_response(error, self.timeout_s)
         return _passthrough(response, request_id=None)
 
     async def _probe(self, upstream: Upstream) -> dict[str, Any]:

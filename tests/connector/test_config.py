@@ -1,0 +1,58 @@
+"""Connector configuration: validated key by key against the running engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ascend_mooncake.config import ConnectorConfigError, parse_config
+
+
+def config(**overrides):
+    args = dict(
+        kv_role="kv_consumer",
+        engine_id="e",
+        extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}},
+        local_tp=1,
+        local_dp=1,
+        num_kv_heads=4,
+        is_mla=False,
+        block_size=32,
+        device_type="cpu",
+    )
+    args.update(overrides)
+    return parse_config(**args)
+
+
+def test_defaults_and_topology() -> None:
+    cfg = config()
+    assert cfg.role == "consumer" and cfg.protocol == "tcp" and cfg.coalesce_runs
+    assert cfg.topology().pulls_per_decode_rank == 2
+    assert cfg.side_channel_base_port(dp_rank=1) == cfg.side_channel_port + 2
+
+
+def test_missing_sides_default_to_the_local_tp() -> None:
+    cfg = config(extra={}, local_tp=2, kv_role="kv_producer")
+    assert cfg.prefill.tp_size == cfg.decode.tp_size == 2
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"extra": {"prefil": {}}}, r"unknown kv_connector_extra_config key\(s\) \['prefil'\]"),
+        ({"kv_role": "kv_both"}, "kv_role 'kv_both' is not supported"),
+        (
+            {"local_tp": 2},
+            "runs tensor parallel size 2, but kv_connector_extra_config\\['decode'\\]",
+        ),
+        ({"extra": {"prefill": {"tp_size": 3}}}, "cannot pair these instances: prefill TP 3"),
+        ({"extra": {"release_timeout_s": "soon"}}, "'release_timeout_s'\\] must be float"),
+        ({"extra": {"max_descriptors_per_batch": 0}}, "must be > 0"),
+        ({"extra": {"protocol": "carrier-pigeon"}}, "not a Mooncake transport"),
+        ({"extra": {"coalesce_runs": 1}}, "must be bool"),
+        ({"extra": {"side_channel_port": 65535, "prefill": {"tp_size": 2}}}, "leaves no room"),
+        ({"local_pp": 2}, "pipeline parallelism"),
+    ],
+)
+def test_bad_settings_name_the_key(overrides, message) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        config(**overrides)

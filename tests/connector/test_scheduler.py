@@ -1,0 +1,141 @@
+"""Scheduler side with real vLLM requests and block lists: pulls, holds, params, validation."""
+
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_ascend_mooncake.config import parse_config
+from vllm_ascend_mooncake.scheduler import ConnectorScheduler
+
+BLOCK = 32
+
+
+def scheduler(role: str) -> ConnectorScheduler:
+    return ConnectorScheduler(
+        parse_config(
+            kv_role=role,
+            engine_id="engine-p",
+            extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, "side_channel_port": 40000},
+            local_tp=2 if role == "kv_producer" else 1,
+            local_dp=1,
+            num_kv_heads=4,
+            is_mla=False,
+            block_size=BLOCK,
+            device_type="cpu",
+        )
+    )
+
+
+def request(request_id: str, num_tokens: int, params: dict | None) -> Request:
+    sampling = SamplingParams(
+        max_tokens=4, extra_args={"kv_transfer_params": params} if params else None
+    )
+    return Request(request_id, list(range(num_tokens)), sampling, None)
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def prefill_params(num_tokens: int) -> dict:
+    p = scheduler("kv_producer")
+    req = request("p-1", num_tokens, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished(req, [7, 8, 9, 10, 11])
+    assert delay and p.build_step_orders().holds == ["p-1"]
+    return params
+
+
+def test_prefill_holds_prompt_blocks_and_returns_params() -> None:
+    params = prefill_params(70)  # 3 prompt blocks of 32; the 4th+ hold generated tokens
+    assert params["remote_block_ids"] == [7, 8, 9]
+    assert params["remote_request_id"] == "p-1" and params["remote_engine_id"] == "engine-p"
+    assert (params["remote_host"], params["remote_port"], params["remote_tp_size"]) == (
+        "127.0.0.1",
+        40000,
+        2,
+    )
+    assert params["do_remote_prefill"] and not params["do_remote_decode"]
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
+def test_prefill_frees_aborted_requests_at_once(status) -> None:
+    p = scheduler("kv_producer")
+    req = request("p-2", 40, {"do_remote_decode": True})
+    req.status = status
+    assert p.request_finished(req, [1, 2]) == (False, None)
+    assert p.build_step_orders().holds == []
+
+
+def test_prefill_hands_off_when_its_token_is_eos() -> None:
+    p = scheduler("kv_producer")
+    req = request("p-3", 40, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_STOPPED
+    delay, params = p.request_finished(req, [1, 2])
+    assert delay and params["remote_block_ids"] == [1, 2]
+
+
+def test_decode_pulls_uncached_blocks_once() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-1", 70, prefill_params(70))
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)  # side-effect free
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 70)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == (4, 5, 6) and pull.remote_block_ids == (7, 8, 9)
+    assert pull.transfer_id == "p-1" and pull.remote_port == 40000
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # never twice
+    assert d.build_step_orders().pulls == []
+
+
+def test_decode_prefix_hit_reads_the_suffix_only() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-2", 70, prefill_params(70))
+    assert d.get_num_new_matched_tokens(req, 32) == (38, True)
+    d.update_state_after_alloc(req, blocks([5, 6]), 38)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == (5, 6)
+
+
+def test_decode_full_hit_still_releases_the_prefill_blocks() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-3", 64, prefill_params(64))
+    assert d.get_num_new_matched_tokens(req, 64) == (0, False)
+    d.update_state_after_alloc(req, blocks([]), 0)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == () and pull.transfer_id == "p-1"
+
+
+def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-4", 70, prefill_params(70))
+    assert d.request_finished(req, []) == (False, None)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == ()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p.update(remote_block_ids="lots"),
+        lambda p: p.update(remote_block_ids=[1, 2]),  # wrong count for the prompt
+        lambda p: p.update(remote_block_ids=[-1, 2, 3]),
+        lambda p: p.update(remote_port=70000),
+        lambda p: p.update(remote_tp_size=4),
+        lambda p: p.update(remote_num_tokens=71),
+        lambda p: p.pop("remote_engine_id"),
+        lambda p: p.update(remote_host=""),
+    ],
+)
+def test_decode_ignores_bad_params_and_computes_locally(corrupt) -> None:
+    d = scheduler("kv_consumer")
+    params = prefill_params(70)
+    corrupt(params)
+    req = request("d-5", 70, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    assert d.build_step_orders().pulls == []

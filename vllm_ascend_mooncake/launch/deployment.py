@@ -1,0 +1,211 @@
+"""A complete local P/D deployment on loopback: prefill and decode `vllm serve` plus the proxy.
+
+Used by the demo, the end-to-end tests and the benchmarks. Both instances load the connector by
+name (the package's vLLM plugin registers it) with Mooncake over TCP; they are started at the same
+time to halve the start-up wait, and everything is stopped by process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..config import CONNECTOR_NAME
+from .servers import ServerError, VllmServer, free_port, process_group_members
+
+_METRICS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
+
+
+@dataclass
+class DeploymentSpec:
+    model: str
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 512
+    release_timeout_s: float = 120.0
+    extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    log_dir: str | None = None
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) -> dict[str, Any]:
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "prefill": {"tp_size": spec.prefill_tp},
+            "decode": {"tp_size": spec.decode_tp},
+            "side_channel_port": side_channel_port,
+            "release_timeout_s": spec.release_timeout_s,
+            **spec.extra_connector_config,
+        },
+    }
+
+
+class LocalDeployment:
+    """Prefill + decode + proxy, all on 127.0.0.1."""
+
+    def __init__(self, spec: DeploymentSpec) -> None:
+        self.spec = spec
+        log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="vam-pd-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.side_channel_port = _free_port_range(spec.prefill_tp)
+        env = {
+            # TP > 1 on a couple of cores: pinning OpenMP threads to cores oversubscribes them.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_LOG_STATS_INTERVAL": "1",
+            **spec.extra_env,
+        }
+
+        def server(role: str, tp: int, args: tuple[str, ...]) -> VllmServer:
+            config = connector_config(spec, role, self.side_channel_port)
+            return VllmServer(
+                spec.model,
+                tensor_parallel_size=tp,
+                dtype=spec.dtype,
+                block_size=spec.block_size,
+                max_model_len=spec.max_model_len,
+                extra_args=["--kv-transfer-config", json.dumps(config), *args],
+                extra_env=env,
+                log_path=log_dir / f"{'prefill' if role == 'kv_producer' else 'decode'}.log",
+            )
+
+        self.prefill = server("kv_producer", spec.prefill_tp, spec.prefill_args)
+        self.decode = server("kv_consumer", spec.decode_tp, spec.decode_args)
+        self.proxy_port = free_port()
+        self.proxy_log = log_dir / "proxy.log"
+        self._proxy: subprocess.Popen[bytes] | None = None
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def start(self, timeout_s: float = 600.0) -> float:
+        """Start everything and wait until the proxy reports both instances healthy."""
+        started = time.monotonic()
+        self.prefill.start()
+        self.decode.start()
+        self.prefill.wait_ready(timeout_s)
+        self.decode.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
+        with self.proxy_log.open("wb") as log:
+            self._proxy = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_ascend_mooncake.proxy",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.proxy_port),
+                    "--prefill",
+                    self.prefill.base_url,
+                    "--decode",
+                    self.decode.base_url,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 60
+        while not _http_ok(f"{self.proxy_url}/health"):
+            if self._proxy.poll() is not None or time.monotonic() > deadline:
+                raise ServerError(
+                    f"proxy did not start; log:\n{self.proxy_log.read_text()[-3000:]}"
+                )
+            time.sleep(0.3)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self._proxy is not None and self._proxy.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proxy.pid, 15)
+            try:
+                self._proxy.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proxy.pid, 9)
+                self._proxy.wait(timeout=10)
+        errors = []
+        for server in (self.decode, self.prefill):
+            try:
+                server.stop()
+            except ServerError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise ServerError("; ".join(errors))
+
+    def transfer_metrics(self) -> str | None:
+        """The last "KV Transfer metrics" line the decode instance logged (pulls happen there)."""
+        last = None
+        try:
+            for line in self.decode.log_path.read_text(errors="replace").splitlines():
+                match = _METRICS_LINE.search(line)
+                if match:
+                    last = match.group(1)
+        except OSError:
+            return None
+        return last
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _free_port_range(count: int) -> int:
+    """A base port with ``count`` free consecutive ports (the prefill side channel)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65536 and all(_port_free(base + i) for i in range(count)):
+            return base
+    raise ServerError("no free range of loopback ports for the side channel")
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+__all__ = ["DeploymentSpec", "LocalDeployment", "connector_config", "process_group_members"]
