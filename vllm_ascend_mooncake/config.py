@@ -180,7 +180,7 @@ def parse_config(
         raise ConnectorConfigError(f"cannot pair these instances: {exc}") from exc
 
     port = _expect(extra, "side_channel_port", int, DEFAULT_SIDE_CHANNEL_PORT)
-    if not 1 <= port or port + prefill.dp_size * prefill.tp_size > 65536:
+    if not port >= 1 or port + prefill.dp_size * prefill.tp_size > 65536:
         raise ConnectorConfigError(
             f"side_channel_port {port} leaves no room for {prefill.dp_size * prefill.tp_size} "
             f"prefill workers below 65536"

@@ -9,11 +9,18 @@ restarted prefill worker is re-fetched instead of read at stale addresses.
 from __future__ import annotations
 
 import threading
+import time
 
 from .compat import check_peer
+from .log import get_logger
 from .side_channel import SideChannelClient, SideChannelError
 from .topology import TransferTopology
 from .wire import WorkerMetadata
+
+logger = get_logger(__name__)
+
+# Pauses between metadata fetch attempts (the last value is unused: no retry after it).
+FETCH_BACKOFF_S = (0.2, 1.0, 0.0)
 
 
 class PeerDirectory:
@@ -41,7 +48,7 @@ class PeerDirectory:
             cached = self._cache.get(key)
         if cached is not None and _matches(cached, engine_id, incarnation):
             return cached
-        reply = self._client.fetch_metadata(host, port)
+        reply = self._fetch_with_retries(host, port)
         if not isinstance(reply, WorkerMetadata):
             raise SideChannelError(f"{host}:{port} answered metadata with {type(reply).__name__}")
         if not _matches(reply, engine_id, incarnation):
@@ -54,6 +61,24 @@ class PeerDirectory:
         with self._lock:
             self._cache[key] = reply
         return reply
+
+    def _fetch_with_retries(self, host: str, port: int):
+        """A busy prefill worker (first request, CPU contention) may miss one exchange."""
+        for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
+            try:
+                return self._client.fetch_metadata(host, port)
+            except SideChannelError as exc:
+                if attempt == len(FETCH_BACKOFF_S) - 1:
+                    raise
+                logger.warning(
+                    "metadata fetch from %s:%d failed (%s); retrying in %.1f s",
+                    host,
+                    port,
+                    exc,
+                    backoff_s,
+                )
+                time.sleep(backoff_s)
+        raise AssertionError("unreachable")
 
     def invalidate(self, host: str, port: int) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from .log import get_logger
 from .peers import PeerDirectory
 from .plan import StagingArea
 from .receiver import PullRequest, Receiver, ReceiverOptions, StagingPool
-from .registration import regions_from_vllm_views, storage_ranges
+from .registration import regions_from_split_caches, regions_from_vllm_views, storage_ranges
 from .relayout import LocalMemory
 from .scheduler import StepOrders
 from .sender import PrefillSender, SendTracker
@@ -56,18 +56,30 @@ class ConnectorWorker:
 
     # -- registration ------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.platforms import current_platform
 
         config, vllm_config = self.config, self._vllm_config
         model = vllm_config.model_config
         ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
-        regions = regions_from_vllm_views(
-            ordered,
-            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
-            block_size=config.block_size,
-            is_mla=config.is_mla,
-        )
+        local_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        if any(isinstance(cache, (tuple, list)) for cache in ordered.values()):
+            # vllm-ascend hands over (K, V) -- or (latent,) for MLA -- tensors per layer.
+            regions = regions_from_split_caches(
+                ordered,
+                num_kv_heads=local_heads,
+                block_size=config.block_size,
+                head_size=model.get_head_size(),
+            )
+            tensors = [t for cache in ordered.values() for t in cache]
+        else:
+            regions = regions_from_vllm_views(
+                ordered,
+                num_kv_heads=local_heads,
+                block_size=config.block_size,
+                is_mla=config.is_mla,
+            )
+            tensors = list(ordered.values())
         self._check_resolved_layout()
         self.engine = MooncakeEngine(
             config.side_channel_host,
@@ -75,7 +87,6 @@ class ConnectorWorker:
             config.device_name,
             device_type=current_platform.device_type,
         )
-        tensors = list(ordered.values())
         ranges = storage_ranges(tensors)
         staging_tensors = self._staging_tensors(tensors[0]) if not config.is_producer else []
         self.engine.register(ranges + storage_ranges(staging_tensors))

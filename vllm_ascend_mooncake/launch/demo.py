@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - started
         print(f"[demo] prompt: {args.prompt!r}")
         print(f"[demo] answer ({elapsed:.2f} s): {answer['choices'][0]['text']!r}")
+        if not args.model:
+            print("[demo] (the tiny model has random weights: its text is noise by design)")
         time.sleep(2.5)  # the decode instance logs transfer metrics every second
         metrics = deployment.transfer_metrics()
         print(f"[demo] KV transfer: {metrics or 'no metrics logged (see decode.log)'}")

@@ -25,7 +25,12 @@ def engine_env(
     * ``VLLM_NO_USAGE_STATS``/``DO_NOT_TRACK``: no usage reporting;
     * ``VLLM_CPU_KVCACHE_SPACE``: KV-cache size in GiB;
     * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: do not pin OpenMP threads to cores, which fails or
-      starves other processes when the machine has fewer cores than vLLM assumes.
+      starves other processes when the machine has fewer cores than vLLM assumes;
+    * ``TORCH_COMPILE_DISABLE=1``: even with ``--enforce-eager``, a TP > 1 CPU engine compiles a
+      C++ kernel with gcc on its first request (``get_masked_input_and_mask`` is
+      ``torch.compile``-decorated) and the first request asking for logprobs compiles another;
+      on a loaded 2-core machine that stalled first requests for up to ~100 s. Disabling
+      torch.compile removes the stall and changes no output.
     """
     if kvcache_space_gib <= 0:
         raise ValueError(f"kvcache_space_gib must be positive, got {kvcache_space_gib}")
@@ -37,6 +42,7 @@ def engine_env(
         "DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TORCH_COMPILE_DISABLE": "1",
     }
 
 
