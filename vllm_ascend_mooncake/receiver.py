@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .engine import MooncakeEngine
+from .engine import MooncakeEngine, TransferError
 from .layout import BlockOrder, Region, effective_order
 from .log import get_logger
 from .peers import PeerDirectory
-from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, plan_request
+from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch, plan_request
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
-from .side_channel import SideChannelClient
+from .side_channel import SideChannelClient, SideChannelError
 from .topology import TransferTopology, request_seed
-from .wire import ReadDone
+from .wire import ClaimRead, ClaimReply, ReadDone
 
 logger = get_logger(__name__)
 
@@ -50,6 +50,10 @@ class ReceiverOptions:
     coalesce_runs: bool = True
     num_threads: int = 4
     requests_per_turn: int = 4
+    claim_wait_s: float = 10.0  # how long a "pending" prefill (request not registered yet) is asked
+    read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
+    retry_backoff_s: float = 0.2
+    lease_margin: float = 0.1  # fraction of a lease kept as safety margin
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,23 @@ class StagingPool:
 
 
 @dataclass
+class _Peer:
+    """A prefill rank this request reads, and the read lease it granted."""
+
+    rank: int
+    host: str
+    port: int
+    te_session: str
+    incarnation: str
+    claimed_at: float = 0.0
+    lease_s: float = 0.0
+
+
+@dataclass
 class _InFlight:
     pull: PullRequest
     plan: RequestPlan
-    sessions: dict[int, tuple[str, str, int, str]]  # rank -> (te session, incarnation, host, port)
+    peers: dict[int, _Peer]
     remaining: int
     started: float
     staging: StagingArea | None = None
@@ -152,6 +169,12 @@ class Receiver:
         self._options = options or ReceiverOptions()
         self._staging = staging
         self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
+        # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
+        # so that it can neither block the reads that free staging buffers nor queue behind a
+        # dead peer's timeouts on one thread.
+        self._prepare_pool = ThreadPoolExecutor(
+            self._options.num_threads, thread_name_prefix="vam-prepare"
+        )
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._queue: queue.Queue[PullRequest | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -184,18 +207,24 @@ class Receiver:
     def shutdown(self) -> None:
         self._queue.put(None)
         self._dispatcher.join(timeout=5)
+        self._prepare_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
 
     # -- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
         while (pull := self._queue.get()) is not None:
-            try:
-                self._start(pull)
-            except Exception as exc:
-                logger.warning("cannot pull KV for request %s: %s", pull.request_id, exc)
-                self._notify_unplanned(pull, str(exc))
-                self._finish(pull, failure=str(exc))
+            self._prepare_pool.submit(self._prepare, pull)
+
+    def _prepare(self, pull: PullRequest) -> None:
+        peers: dict[int, _Peer] = {}
+        try:
+            self._start(pull, peers)
+        except Exception as exc:
+            logger.warning("cannot pull KV for request %s: %s", pull.request_id, exc)
+            for peer in peers.values():  # release what was looked up; others expire it
+                self._notify(peer, pull.transfer_id, str(exc))
+            self._finish(pull, failure=str(exc))
 
     def _needs_staging(self, pull_heads: int, remote: Sequence[Region]) -> bool:
         if not self._local_regions:
@@ -203,16 +232,19 @@ class Receiver:
         order = effective_order(self._local_regions[0].layout, remote[0].layout)
         return order is BlockOrder.TOKEN_MAJOR and pull_heads < remote[0].layout.num_heads
 
-    def _start(self, pull: PullRequest) -> None:
-        pulls = self._topology.pulls_for(self._rank, request_seed(pull.transfer_id))
-        sessions: dict[int, tuple[str, str, int, str]] = {}
+    def _start(self, pull: PullRequest, peers: dict[int, _Peer]) -> None:
+        seed = request_seed(pull.transfer_id)
+        pulls = self._topology.pulls_for(self._rank, seed)
         remote_tables: dict[int, list[Region]] = {}
         for head_pull in pulls:
             rank = head_pull.prefill_rank
             port = pull.remote_port + rank
             meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
             remote_tables[rank] = meta.to_regions()
-            sessions[rank] = (meta.te_session, meta.incarnation, pull.remote_host, port)
+            peers[rank] = _Peer(rank, pull.remote_host, port, meta.te_session, meta.incarnation)
+        if pull.local_block_ids:
+            for peer in peers.values():
+                self._claim(pull, peer)
         staging = None
         if pull.local_block_ids and self._needs_staging(
             pulls[0].num_heads, remote_tables[pulls[0].prefill_rank]
@@ -224,7 +256,7 @@ class Receiver:
             plan = plan_request(
                 self._topology,
                 self._rank,
-                request_seed(pull.transfer_id),
+                seed,
                 self._local_regions,
                 remote_tables,
                 pull.local_block_ids,
@@ -239,14 +271,35 @@ class Receiver:
             if staging is not None:
                 self._staging.release(staging)
             raise
-        state = _InFlight(pull, plan, sessions, len(sessions), time.perf_counter(), staging)
-        peers_with_reads = {peer.prefill_rank for peer in plan.peers if peer.batches}
-        for rank in sessions:
-            if rank not in peers_with_reads:  # nothing to read (full prefix hit): just release
-                self._read_from(state, PeerPlan(rank, (), []))
-        for peer in plan.peers:
-            if peer.batches:
-                self._lane(sessions[peer.prefill_rank][0]).push((state, peer))
+        state = _InFlight(pull, plan, dict(peers), len(peers), time.perf_counter(), staging)
+        for peer_plan in plan.peers:
+            if peer_plan.batches:
+                self._lane(peers[peer_plan.prefill_rank].te_session).push((state, peer_plan))
+            else:  # nothing to read (decode already caches the prompt): just release
+                self._read_from(state, peer_plan)
+
+    def _claim(self, pull: PullRequest, peer: _Peer) -> None:
+        """Obtain (or renew) the peer's read lease; raises if it refuses or never registers."""
+        deadline = time.monotonic() + self._options.claim_wait_s
+        message = ClaimRead(pull.transfer_id, self._rank, peer.incarnation)
+        while True:
+            sent_at = time.monotonic()
+            try:
+                reply = self._client.request(peer.host, peer.port, message)
+            except SideChannelError:
+                self._peers.invalidate(peer.host, peer.port)
+                raise
+            if not isinstance(reply, ClaimReply):
+                raise RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
+            if reply.status == "granted":
+                peer.claimed_at, peer.lease_s = sent_at, reply.lease_s
+                return
+            if reply.status != "pending" or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
+                    f"{reply.reason}"
+                )
+            time.sleep(0.05)
 
     def _lane(self, session: str) -> _Lane:
         key = (session, 0)
@@ -260,23 +313,23 @@ class Receiver:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def _read_from(self, state: _InFlight, peer: PeerPlan) -> None:
-        te_session, incarnation, host, port = state.sessions[peer.prefill_rank]
+    def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
+        peer = state.peers[peer_plan.prefill_rank]
         failure = None
-        if state.failure is None:
+        if state.failure is None and peer_plan.batches:
             try:
-                for batch in peer.batches:
-                    self._engine.read(
-                        te_session, batch.local_addrs, batch.remote_addrs, batch.lengths
-                    )
-                    apply_row_copies(self._memory, batch.after_landing)
+                self._read_leased(state.pull, peer, peer_plan)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = str(exc)
-                self._peers.invalidate(host, port)
+                self._peers.invalidate(peer.host, peer.port)
                 logger.warning(
-                    "request %s: read from %s failed: %s", state.pull.request_id, te_session, exc
+                    "request %s: read from prefill rank %d (%s) failed: %s",
+                    state.pull.request_id,
+                    peer.rank,
+                    peer.te_session,
+                    exc,
                 )
-        self._notify(host, port, state.pull.transfer_id, incarnation, failure)
+        self._notify(peer, state.pull.transfer_id, failure or state.failure)
         with state.lock:
             if failure is not None and state.failure is None:
                 state.failure = failure
@@ -284,6 +337,30 @@ class Receiver:
             last = state.remaining == 0
         if last:
             self._complete(state)
+
+    def _read_leased(self, pull: PullRequest, peer: _Peer, peer_plan: PeerPlan) -> None:
+        """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
+        if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
+            self._claim(pull, peer)  # waited long in the queue: renew before reading
+        for batch in peer_plan.batches:
+            self._read_batch(peer.te_session, batch)
+            apply_row_copies(self._memory, batch.after_landing)
+        lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
+        if time.monotonic() > lease_end:
+            raise RuntimeError(
+                f"the read outlasted its {peer.lease_s:.0f} s lease: prefill may already have "
+                f"reused the blocks"
+            )
+
+    def _read_batch(self, te_session: str, batch: TransferBatch) -> None:
+        for attempt in range(self._options.read_retries + 1):
+            try:
+                self._engine.read(te_session, batch.local_addrs, batch.remote_addrs, batch.lengths)
+                return
+            except TransferError:
+                if attempt == self._options.read_retries:
+                    raise
+                time.sleep(self._options.retry_backoff_s * (attempt + 1))
 
     def _complete(self, state: _InFlight) -> None:
         try:
@@ -314,34 +391,23 @@ class Receiver:
             else:
                 self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
 
-    def _notify(
-        self, host: str, port: int, transfer_id: str, incarnation: str, failure: str | None
-    ) -> None:
+    def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
         message = ReadDone(
             request_id=transfer_id,
             decode_rank=self._rank,
-            incarnation=incarnation,
+            incarnation=peer.incarnation,
             success=failure is None,
             reason=failure or "",
         )
         try:
-            self._client.request(host, port, message)
+            self._client.request(peer.host, peer.port, message)
         except Exception as exc:
             logger.warning(
-                "could not tell prefill %s:%d that request %s was read (%s); it will release the "
-                "blocks at its timeout",
-                host,
-                port,
+                "could not tell prefill rank %d (%s:%d) that request %s was read (%s); it will "
+                "release the blocks at its deadline",
+                peer.rank,
+                peer.host,
+                peer.port,
                 transfer_id,
                 exc,
             )
-
-    def _notify_unplanned(self, pull: PullRequest, reason: str) -> None:
-        """Tell every prefill rank this request would have read that nothing will come."""
-        for head_pull in self._topology.pulls_for(self._rank, request_seed(pull.transfer_id)):
-            port = pull.remote_port + head_pull.prefill_rank
-            try:
-                meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
-            except Exception:
-                continue  # unreachable or incompatible: it will expire the request itself
-            self._notify(pull.remote_host, port, pull.transfer_id, meta.incarnation, reason)

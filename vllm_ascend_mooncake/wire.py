@@ -6,8 +6,12 @@ misreading fields. Decoding never trusts the peer: malformed bytes raise :class:
 
 Flow (decode pulls):
 1. decode -> prefill ``GetMetadata``; reply ``WorkerMetadata`` (cached by decode per peer).
-2. decode reads prefill memory with the transfer engine.
-3. decode -> prefill ``ReadDone`` (success or failure); reply ``Ack``.
+2. decode -> prefill ``ClaimRead``; reply ``ClaimReply``: a lease during which prefill will not
+   release the request's blocks (renewed by claiming again). A request already released is
+   refused, so a late read can never see reused blocks.
+3. decode reads prefill memory with the transfer engine, and discards the bytes if the read
+   ended after its lease.
+4. decode -> prefill ``ReadDone`` (success or failure); reply ``Ack``.
 """
 
 from __future__ import annotations
@@ -105,6 +109,24 @@ class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True):
     pass
 
 
+class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
+    """Before reading (and to renew): may this decode rank read the request's blocks now?"""
+
+    request_id: str
+    decode_rank: int
+    incarnation: str
+
+
+class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
+    """``granted``: read within ``lease_s`` seconds of sending the claim; ``pending``: the
+    request is not registered yet, ask again shortly; ``refused``: never read it (released,
+    restarted, or not a reader)."""
+
+    status: str
+    lease_s: float = 0.0
+    reason: str = ""
+
+
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     """A decode rank finished reading a request from this prefill rank (or gave up)."""
 
@@ -123,7 +145,7 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-Message = GetMetadata | WorkerMetadata | ReadDone | Ack | ErrorReply
+Message = GetMetadata | WorkerMetadata | ClaimRead | ClaimReply | ReadDone | Ack | ErrorReply
 
 
 class Envelope(msgspec.Struct, frozen=True):

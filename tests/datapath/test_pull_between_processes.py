@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -84,14 +85,17 @@ def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
     try:
         transfer_ids = [r.transfer_id for r in requests]
         half = len(transfer_ids) // 2
-        # Half the requests are held before decode pulls, half after (read-done arrives first).
+        # Half the requests are held before decode pulls, half only once decode already asks
+        # for them (decode's read claims are answered "pending" until then, and read-done
+        # notifications of requests with nothing to read arrive before the hold).
         for rank in range(case.prefill_tp):
             prefill[rank].call("hold", transfer_ids[:half])
         for rank in range(case.decode_tp):
             decode[rank].send("pull", requests, 120.0)
-        outcomes = [decode[rank].receive(180) for rank in range(case.decode_tp)]
+        time.sleep(0.3)
         for rank in range(case.prefill_tp):
             prefill[rank].call("hold", transfer_ids[half:])
+        outcomes = [decode[rank].receive(180) for rank in range(case.decode_tp)]
         finished = [
             prefill[rank].call("collect_finished", transfer_ids, 30.0)
             for rank in range(case.prefill_tp)

@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,6 +37,10 @@ class DeploymentSpec:
     block_size: int = 32
     max_model_len: int = 512
     release_timeout_s: float = 120.0
+    # vLLM's kv_load_failure_policy on decode: "fail" (error the request) or "recompute".
+    decode_failure_policy: str = "fail"
+    # Fix the prefill engine id (vLLM draws a random one), e.g. to restart it under the same id.
+    prefill_engine_id: str | None = None
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     log_dir: str | None = None
     prefill_args: tuple[str, ...] = ()
@@ -45,9 +49,13 @@ class DeploymentSpec:
 
 
 def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) -> dict[str, Any]:
+    config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": role}
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = spec.decode_failure_policy
+    elif spec.prefill_engine_id:
+        config["engine_id"] = spec.prefill_engine_id
     return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_role": role,
+        **config,
         "kv_connector_extra_config": {
             "prefill": {"tp_size": spec.prefill_tp},
             "decode": {"tp_size": spec.decode_tp},
@@ -74,24 +82,47 @@ class LocalDeployment:
             **spec.extra_env,
         }
 
-        def server(role: str, tp: int, args: tuple[str, ...]) -> VllmServer:
-            config = connector_config(spec, role, self.side_channel_port)
-            return VllmServer(
-                spec.model,
-                tensor_parallel_size=tp,
-                dtype=spec.dtype,
-                block_size=spec.block_size,
-                max_model_len=spec.max_model_len,
-                extra_args=["--kv-transfer-config", json.dumps(config), *args],
-                extra_env=env,
-                log_path=log_dir / f"{'prefill' if role == 'kv_producer' else 'decode'}.log",
-            )
-
-        self.prefill = server("kv_producer", spec.prefill_tp, spec.prefill_args)
-        self.decode = server("kv_consumer", spec.decode_tp, spec.decode_args)
+        self._env = env
+        self.prefill = self.make_server("kv_producer")
+        self.decode = self.make_server("kv_consumer")
         self.proxy_port = free_port()
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen[bytes] | None = None
+
+    def make_server(
+        self, role: str, *, port: int | None = None, name: str | None = None, **overrides: Any
+    ) -> VllmServer:
+        """A (not yet started) instance of this deployment; ``overrides`` replace spec fields."""
+        spec = replace(self.spec, **overrides) if overrides else self.spec
+        producer = role == "kv_producer"
+        config = connector_config(spec, role, self.side_channel_port)
+        return VllmServer(
+            spec.model,
+            port=port,
+            tensor_parallel_size=spec.prefill_tp if producer else spec.decode_tp,
+            dtype=spec.dtype,
+            block_size=spec.block_size,
+            max_model_len=spec.max_model_len,
+            extra_args=[
+                "--kv-transfer-config",
+                json.dumps(config),
+                *(spec.prefill_args if producer else spec.decode_args),
+            ],
+            extra_env=self._env,
+            log_path=self.log_dir / f"{name or ('prefill' if producer else 'decode')}.log",
+        )
+
+    def kill_prefill(self) -> None:
+        """SIGKILL the whole prefill instance, as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.prefill.pid, 9)
+        self.prefill.stop()
+
+    def restart_prefill(self, timeout_s: float = 600.0) -> float:
+        """Start a new prefill instance on the same ports (and engine id, if fixed)."""
+        self.prefill = self.make_server("kv_producer", port=self.prefill.port, name="prefill-2")
+        self.prefill.start()
+        return self.prefill.wait_ready(timeout_s)
 
     @property
     def proxy_url(self) -> str:

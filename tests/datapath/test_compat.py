@@ -1,0 +1,70 @@
+"""Handshake compatibility: every mismatch is refused with both values named."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_ascend_mooncake.compat import IncompatiblePeerError, check_peer
+from vllm_ascend_mooncake.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.topology import TransferTopology
+from vllm_ascend_mooncake.wire import ModelIdentity, RegionInfo, WorkerMetadata
+
+IDENTITY = ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False)
+
+
+def metadata(
+    heads: int,
+    tp: int,
+    *,
+    identity=IDENTITY,
+    order=BlockOrder.HEAD_MAJOR,
+    names=("a", "b"),
+    tokens=32,
+) -> WorkerMetadata:
+    layout = RegionLayout(order, 8, heads * tokens * 256, heads, tokens, 256)
+    return WorkerMetadata(
+        engine_id="e",
+        incarnation="i",
+        tp_rank=0,
+        tp_size=tp,
+        dp_rank=0,
+        dp_size=1,
+        pp_size=1,
+        te_session="127.0.0.1:1",
+        identity=identity,
+        regions=[RegionInfo.of(Region(n, 4096 * i, layout)) for i, n in enumerate(names)],
+    )
+
+
+TOPO = TransferTopology(4, 2, 1)
+
+
+def test_compatible_pair_passes() -> None:
+    check_peer(metadata(4, 1), metadata(2, 2), TOPO)
+
+
+@pytest.mark.parametrize(
+    "remote,message",
+    [
+        (
+            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, dtype="bfloat16")),
+            "dtype 'bfloat16' on prefill vs 'float32' on decode",
+        ),
+        (
+            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, model="other")),
+            "model 'other'",
+        ),
+        (
+            metadata(1, 4),
+            "prefill runs TP 4 but this decode instance is configured for prefill TP 2",
+        ),
+        (metadata(2, 2, names=("a",)), "1 KV regions on prefill vs 2 on decode"),
+        (metadata(2, 2, names=("b", "a")), "different layer order"),
+        (metadata(2, 2, order=BlockOrder.TOKEN_MAJOR), "block order token_major on prefill"),
+        (metadata(3, 2), "holds 3 heads on prefill and 4 on decode"),
+    ],
+)
+def test_mismatches_are_named(remote, message) -> None:
+    with pytest.raises(IncompatiblePeerError, match=message):
+        check_peer(metadata(4, 1), remote, TOPO)

@@ -1,0 +1,86 @@
+"""Prefill bookkeeping: holds, read leases, early notifications, expiry, exactly-once release."""
+
+from __future__ import annotations
+
+from vllm_ascend_mooncake.sender import SendTracker
+from vllm_ascend_mooncake.topology import TransferTopology, request_seed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tracker(prefill_tp=1, decode_tp=2, heads=4, rank=0, timeout=10.0):
+    clock = Clock()
+    topo = TransferTopology(heads, prefill_tp, decode_tp)
+    return SendTracker(topo, rank, timeout, clock=clock), clock, topo
+
+
+def test_released_once_after_every_reader_is_done() -> None:
+    t, _, _ = tracker()
+    t.hold("r")
+    assert t.claim("r", 0).status == "granted"
+    t.read_done("r", 0, True)
+    assert t.take_finished() == set()
+    t.read_done("r", 1, True)
+    t.read_done("r", 1, True)  # duplicate
+    assert t.take_finished() == {"r"}
+    assert t.take_finished() == set()
+
+
+def test_a_rank_nobody_reads_finishes_at_once() -> None:
+    _, _, topo = tracker(prefill_tp=4, decode_tp=1, heads=2)
+    unread = next(p for p in range(4) if not topo.readers_of(p, request_seed("r")))
+    t2 = SendTracker(topo, unread, 10.0)
+    t2.hold("r")
+    assert t2.take_finished() == {"r"}
+
+
+def test_read_done_before_hold() -> None:
+    t, _, _ = tracker()
+    t.read_done("r", 0, True)
+    t.read_done("r", 1, False)  # a failed read also ends that reader's interest
+    t.hold("r")
+    assert t.take_finished() == {"r"}
+
+
+def test_claims_extend_the_deadline_and_late_claims_are_refused() -> None:
+    t, clock, _ = tracker(timeout=10.0)
+    assert t.claim("r", 0).status == "pending"  # not held yet: ask again
+    t.hold("r")
+    clock.now = 8.0
+    reply = t.claim("r", 0)
+    assert (reply.status, reply.lease_s) == ("granted", 10.0)
+    clock.now = 12.0  # past the hold deadline, within the lease
+    assert t.take_finished() == set()
+    clock.now = 18.5
+    assert t.take_finished() == {"r"}
+    assert t.num_expired == 1 and t.take_expired_count() == 1 and t.take_expired_count() == 0
+    refused = t.claim("r", 0)
+    assert refused.status == "refused" and "released" in refused.reason
+    t.hold("r")  # a stale hold cannot resurrect it
+    assert t.take_finished() == set()
+
+
+def test_only_readers_may_claim() -> None:
+    t, _, topo = tracker(prefill_tp=2, decode_tp=2, heads=4)
+    t.hold("r")
+    (reader,) = topo.readers_of(0, request_seed("r"))
+    assert t.claim("r", 1 - reader).status == "refused"
+
+
+def test_memory_of_released_and_early_ids_is_bounded_in_time() -> None:
+    t, clock, _ = tracker(timeout=1.0)
+    for i in range(100):
+        t.read_done(f"ghost-{i}", 0, True)
+    t.hold("r")
+    t.read_done("r", 0, True)
+    t.read_done("r", 1, True)
+    assert t.take_finished() == {"r"}
+    clock.now = 10.0
+    t.take_finished()
+    assert t._early == {} and t._released == {}

@@ -1,0 +1,212 @@
+"""Fault injection with real `vllm serve` instances on loopback.
+
+Every request must end within its configured timeouts; outputs either match what a colocated
+instance answers or are clean errors; no KV blocks leak on either side; the decode instance keeps
+serving everyone else. One prefill (TP 1) and two decode instances share a deployment: one decode
+recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.engine
+
+SIDE_CHANNEL_TIMEOUT_S = 2.0
+RELEASE_TIMEOUT_S = 8.0
+# Metadata fetch: 3 attempts of SIDE_CHANNEL_TIMEOUT_S plus 1.2 s of backoff, then the claim.
+FAILURE_BOUND_S = 4 * SIDE_CHANNEL_TIMEOUT_S + 1.2 + 10.0
+PROMPT = " ".join(f"fault{i} tolerant decoding" for i in range(12))
+OTHER = "a second prompt that keeps the decode instance busy " * 3
+
+
+def completion(url: str, name: str, prompt: str, **extra) -> httpx.Response:
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+def tokens(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def usage(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:kv_cache_usage_perc")
+    )
+
+
+def wait_no_blocks_in_use(url: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while usage(url) > 0:
+        assert time.monotonic() < deadline, f"{url} still holds KV blocks after {within_s} s"
+        time.sleep(0.5)
+
+
+def prefill_params(pd: LocalDeployment, name: str, prompt: str) -> dict:
+    response = completion(
+        pd.prefill.base_url,
+        name,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype="float32")))
+    spec = DeploymentSpec(
+        model=model,
+        prefill_tp=1,
+        decode_tp=1,
+        decode_failure_policy="recompute",
+        prefill_engine_id="faults-prefill",
+        release_timeout_s=RELEASE_TIMEOUT_S,
+        extra_connector_config={"side_channel_timeout_s": SIDE_CHANNEL_TIMEOUT_S},
+        log_dir=str(tmp_path_factory.mktemp("faults")),
+    )
+    pd = LocalDeployment(spec)
+    strict = pd.make_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
+    try:
+        strict.start()
+        pd.start()
+        strict.wait_ready()
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        reference = {p: tokens(completion(pd.prefill.base_url, name, p)) for p in (PROMPT, OTHER)}
+        yield pd, strict, name, reference
+    finally:
+        strict.stop()
+        pd.stop()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda p: {**p, "remote_block_ids": "all of them"}, id="wrong-type"),
+        pytest.param(lambda p: {**p, "remote_num_tokens": 3}, id="other-prompt-length"),
+        pytest.param(lambda p: {**p, "remote_block_ids": [0] * 100000}, id="huge-block-list"),
+        pytest.param(lambda p: {k: v for k, v in p.items() if k != "remote_host"}, id="missing"),
+    ],
+)
+def test_malformed_params_fall_back_to_local_prefill(deployment, corrupt) -> None:
+    pd, strict, name, reference = deployment
+    params = corrupt(prefill_params(pd, name, PROMPT))
+    for url in (pd.decode.base_url, strict.base_url):
+        assert tokens(completion(url, name, PROMPT, kv_transfer_params=params)) == reference[PROMPT]
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(
+            lambda p: {**p, "remote_block_ids": [10**7] * len(p["remote_block_ids"])},
+            id="out-of-range-blocks",
+        ),
+        pytest.param(lambda p: {**p, "remote_engine_id": "someone-else"}, id="unknown-engine"),
+    ],
+)
+def test_unloadable_kv_is_recomputed_or_a_clean_error(deployment, corrupt) -> None:
+    pd, strict, name, reference = deployment
+    params = corrupt(prefill_params(pd, name, PROMPT))
+    started = time.monotonic()
+    assert (
+        tokens(completion(pd.decode.base_url, name, PROMPT, kv_transfer_params=params))
+        == (reference[PROMPT])
+    )
+    failed = completion(strict.base_url, name, PROMPT, kv_transfer_params=params)
+    assert failed.status_code >= 400 and "error" in failed.json()
+    assert time.monotonic() - started < 2 * FAILURE_BOUND_S
+    # Both decode instances still serve other requests through P/D.
+    for url in (pd.decode.base_url, strict.base_url):
+        good = prefill_params(pd, name, OTHER)
+        assert tokens(completion(url, name, OTHER, kv_transfer_params=good)) == reference[OTHER]
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+
+
+def test_prefill_eos_on_its_single_token_still_hands_off(deployment) -> None:
+    pd, _, name, _ = deployment
+    first = completion(pd.prefill.base_url, name, PROMPT, max_tokens=1, return_token_ids=True)
+    first_token = first.json()["choices"][0]["token_ids"][0]
+    # Prefill's single token is a stop token: it finishes FINISHED_STOPPED, not length-capped.
+    stop = {"stop_token_ids": [first_token], "ignore_eos": False, "return_token_ids": True}
+    proxied = completion(pd.proxy_url, name, PROMPT, **stop)
+    colocated = completion(pd.prefill.base_url, name, PROMPT, **stop)
+    assert proxied.status_code == colocated.status_code == 200, proxied.text
+    assert proxied.json()["choices"][0]["token_ids"] == colocated.json()["choices"][0]["token_ids"]
+    assert proxied.json()["choices"][0]["finish_reason"] == "stop"
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+
+
+def test_aborted_streams_leak_no_blocks(deployment) -> None:
+    pd, _, name, _ = deployment
+    for _ in range(3):
+        body = {
+            "model": name,
+            "prompt": PROMPT,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{pd.proxy_url}/v1/completions", json=body, timeout=300
+        ) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # first chunk, then hang up
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+
+
+def test_decode_that_never_reads_is_released_by_prefill(deployment) -> None:
+    pd, _, name, _ = deployment
+    for _ in range(2):
+        prefill_params(pd, name, OTHER)  # handed off, but no decode instance ever asks
+    deadline = time.monotonic() + 5
+    while usage(pd.prefill.base_url) == 0:  # the gauge is refreshed once per engine step
+        assert time.monotonic() < deadline, "prefill does not hold the handed-off blocks"
+        time.sleep(0.2)
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+
+
+def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> None:
+    pd, strict, name, reference = deployment
+    params = prefill_params(pd, name, PROMPT)
+    pd.kill_prefill()
+    started = time.monotonic()
+    assert (
+        tokens(completion(pd.decode.base_url, name, PROMPT, kv_transfer_params=params))
+        == (reference[PROMPT])
+    )
+    failed = completion(strict.base_url, name, PROMPT, kv_transfer_params=params)
+    assert failed.status_code >= 400
+    assert time.monotonic() - started < 2 * FAILURE_BOUND_S
+
+    pd.restart_prefill()
+    # Same engine id, same ports, new worker incarnation: decode re-fetches and serves.
+    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]
+    stale_params = params  # KV of the dead instance: must never be read from the new one
+    assert (
+        tokens(completion(pd.decode.base_url, name, PROMPT, kv_transfer_params=stale_params))
+        == reference[PROMPT]
+    )
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
