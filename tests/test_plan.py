@@ -76,6 +76,7 @@ class Scenario:
     staging_blocks: int = 64
     seed: int = 0
     flip_single_head: bool = False
+    max_descriptor_bytes: int = 0
 
     @property
     def is_mla(self) -> bool:
@@ -153,6 +154,7 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
         max_descriptors_per_batch=sc.cap,
         coalesce_runs=sc.coalesce_runs,
         staging=StagingArea(staging_base, staging_capacity),
+        max_descriptor_bytes=sc.max_descriptor_bytes,
     )
     plan = plan_request(
         topo,
@@ -184,6 +186,8 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
         assert np.array_equal(remote_spaces[p].view((p + 1) * GiB, len(space_memory)), space_memory)
     for peer in plan.peers:
         assert all(0 < len(batch) <= sc.cap for batch in peer.batches)
+        if sc.max_descriptor_bytes and not any(b.after_landing for b in peer.batches):
+            assert all(b.lengths.max() <= sc.max_descriptor_bytes for b in peer.batches)
     return plan
 
 
@@ -238,6 +242,7 @@ def scenarios(draw) -> tuple[Scenario, int]:
         staging_blocks=draw(st.sampled_from([1, 2, 64])),
         seed=draw(st.integers(0, 2**32)),
         flip_single_head=draw(st.booleans()),
+        max_descriptor_bytes=draw(st.sampled_from([0, 0, 7, 64])),
     )
     return sc, draw(st.integers(0, decode_tp - 1))
 

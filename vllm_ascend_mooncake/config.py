@@ -8,7 +8,7 @@ cannot silently fall back to a default.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .topology import TopologyError, TransferTopology
@@ -51,6 +51,7 @@ class ConnectorConfig:
     release_timeout_s: float
     side_channel_timeout_s: float
     max_descriptors_per_batch: int
+    max_descriptor_kib: int
     coalesce_runs: bool
     receiver_threads: int
     staging_buffer_mib: int
@@ -86,6 +87,7 @@ _KEYS = {
     "release_timeout_s": "prefill releases blocks nobody read after this many seconds",
     "side_channel_timeout_s": "timeout of one side-channel exchange",
     "max_descriptors_per_batch": "cap on descriptors per transfer call",
+    "max_descriptor_kib": "split larger descriptors (0: never; default 1024 on tcp, else 0)",
     "coalesce_runs": "run-level coalescing for heterogeneous TP",
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
     "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
@@ -206,12 +208,15 @@ def parse_config(
         max_descriptors_per_batch=_expect(
             extra, "max_descriptors_per_batch", int, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
         ),
+        max_descriptor_kib=_expect(extra, "max_descriptor_kib", int, -1),
         coalesce_runs=_expect(extra, "coalesce_runs", bool, True),
         receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
         dp_rank=dp_rank,
         extra=extra,
     )
+    if config.max_descriptor_kib < 0:
+        config = replace(config, max_descriptor_kib=1024 if config.protocol == "tcp" else 0)
     for key in (
         "release_timeout_s",
         "side_channel_timeout_s",

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import config_from_vllm
 from .scheduler import ConnectorScheduler, StepOrders
-from .stats import TransferStats
+from .stats import TransferPromMetrics, TransferStats
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +66,16 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
         return TransferStats(data=data) if data is not None else TransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TransferPromMetrics:
+        return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------------
 

@@ -65,6 +65,9 @@ class PlanOptions:
     max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
     coalesce_runs: bool = True
     staging: StagingArea | None = None
+    # Split descriptors longer than this (0: never). Mooncake's TCP transport moves ~1 MiB
+    # descriptors faster than much larger ones; RDMA slices large descriptors itself.
+    max_descriptor_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_descriptors_per_batch < 1:
@@ -256,16 +259,30 @@ class _PeerDescriptors:
         self.remote.append(np.asarray(remote, dtype=np.int64))
         self.lengths.append(np.broadcast_to(np.asarray(length, dtype=np.int64), local.shape))
 
-    def batches(self, cap: int) -> list[TransferBatch]:
+    def batches(self, cap: int, max_bytes: int = 0) -> list[TransferBatch]:
         if not self.local:
             return []
         local = np.concatenate(self.local)
         remote = np.concatenate(self.remote)
         lengths = np.concatenate(self.lengths)
+        if max_bytes and len(lengths) and lengths.max() > max_bytes:
+            local, remote, lengths = _split_descriptors(local, remote, lengths, max_bytes)
         return [
             TransferBatch(local[i : i + cap], remote[i : i + cap], lengths[i : i + cap].copy())
             for i in range(0, len(local), cap)
         ]
+
+
+def _split_descriptors(
+    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, max_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut every descriptor into pieces of at most ``max_bytes`` (contiguous on both sides)."""
+    pieces = -(-lengths // max_bytes)
+    offsets = _run_offsets(pieces) * max_bytes
+    starts_local = np.repeat(local, pieces) + offsets
+    starts_remote = np.repeat(remote, pieces) + offsets
+    sizes = np.minimum(np.repeat(lengths, pieces) - offsets, max_bytes)
+    return starts_local, starts_remote, sizes
 
 
 def plan_request(
@@ -342,7 +359,9 @@ def plan_request(
     for pull in pulls:
         if pull.prefill_rank in (pp.prefill_rank for pp in peer_plans):
             continue
-        batches = per_peer[pull.prefill_rank].batches(options.max_descriptors_per_batch)
+        batches = per_peer[pull.prefill_rank].batches(
+            options.max_descriptors_per_batch, options.max_descriptor_bytes
+        )
         peer_plans.append(
             PeerPlan(
                 prefill_rank=pull.prefill_rank,

@@ -48,6 +48,7 @@ class PullRequest:
 class ReceiverOptions:
     max_descriptors_per_batch: int = 1024
     coalesce_runs: bool = True
+    max_descriptor_bytes: int = 0
     num_threads: int = 4
     requests_per_turn: int = 4
     claim_wait_s: float = 10.0  # how long a "pending" prefill (request not registered yet) is asked
@@ -265,6 +266,7 @@ class Receiver:
                     max_descriptors_per_batch=self._options.max_descriptors_per_batch,
                     coalesce_runs=self._options.coalesce_runs,
                     staging=staging,
+                    max_descriptor_bytes=self._options.max_descriptor_bytes,
                 ),
             )
         except Exception:

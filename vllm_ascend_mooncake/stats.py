@@ -11,7 +11,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 _FIELDS = ("pull_seconds", "pull_bytes", "pull_descriptors", "failed_pulls", "expired_releases")
 
@@ -86,3 +90,73 @@ class TransferStats(KVConnectorStats):
             if total_seconds
             else 0,
         }
+
+
+class TransferPromMetrics(KVConnectorPromMetrics):
+    """Prometheus metrics on the instances' ``/metrics``, named the vLLM way (``vllm:...``).
+
+    Pulls are recorded on decode instances, expired releases on prefill instances.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def histogram(name: str, documentation: str, buckets: list[float]):
+            metric = self._histogram_cls(
+                name=name, documentation=documentation, buckets=buckets, labelnames=labelnames
+            )
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        def counter(name: str, documentation: str):
+            metric = self._counter_cls(
+                name=name, documentation=documentation, labelnames=labelnames
+            )
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self._pull_seconds = histogram(
+            "vllm:mooncake_hetero_pull_seconds",
+            "Time from a request's first read to its KV being ready (fix-up included).",
+            [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+        )
+        self._pull_bytes = histogram(
+            "vllm:mooncake_hetero_pull_bytes",
+            "Bytes pulled per request and decode rank.",
+            [2.0 ** (10 + i) for i in range(0, 26, 2)],
+        )
+        self._pull_descriptors = histogram(
+            "vllm:mooncake_hetero_pull_descriptors",
+            "Transfer descriptors per request and decode rank.",
+            [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
+        )
+        self._bytes_total = counter(
+            "vllm:mooncake_hetero_pulled_bytes", "Total bytes pulled from prefill instances."
+        )
+        self._failed = counter(
+            "vllm:mooncake_hetero_failed_pulls", "Requests whose KV could not be pulled."
+        )
+        self._expired = counter(
+            "vllm:mooncake_hetero_expired_releases",
+            "Prefill requests released at their deadline because no decode finished reading.",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
+        for seconds in data.get("pull_seconds", []):
+            self._pull_seconds[engine_idx].observe(seconds)
+        for num_bytes in data.get("pull_bytes", []):
+            self._pull_bytes[engine_idx].observe(num_bytes)
+            self._bytes_total[engine_idx].inc(num_bytes)
+        for count in data.get("pull_descriptors", []):
+            self._pull_descriptors[engine_idx].observe(count)
+        failed = len(data.get("failed_pulls", []))
+        if failed:
+            self._failed[engine_idx].inc(failed)
+        expired = sum(data.get("expired_releases", []))
+        if expired:
+            self._expired[engine_idx].inc(expired)

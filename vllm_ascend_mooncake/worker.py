@@ -136,6 +136,7 @@ class ConnectorWorker:
                 ReceiverOptions(
                     max_descriptors_per_batch=config.max_descriptors_per_batch,
                     coalesce_runs=config.coalesce_runs,
+                    max_descriptor_bytes=config.max_descriptor_kib << 10,
                     num_threads=config.receiver_threads,
                 ),
                 staging,
