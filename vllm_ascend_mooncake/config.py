@@ -50,6 +50,8 @@ class ConnectorConfig:
     side_channel_port: int
     release_timeout_s: float
     side_channel_timeout_s: float
+    claim_wait_s: float
+    read_retries: int
     max_descriptors_per_batch: int
     max_descriptor_kib: int
     coalesce_runs: bool
@@ -86,6 +88,8 @@ _KEYS = {
     "side_channel_port": "base port of the prefill side channel",
     "release_timeout_s": "prefill releases blocks nobody read after this many seconds",
     "side_channel_timeout_s": "timeout of one side-channel exchange",
+    "claim_wait_s": "how long decode waits for prefill to register a request before reading",
+    "read_retries": "extra attempts for a failed batched read",
     "max_descriptors_per_batch": "cap on descriptors per transfer call",
     "max_descriptor_kib": "split larger descriptors (0: never; default 1024 on tcp, else 0)",
     "coalesce_runs": "run-level coalescing for heterogeneous TP",
@@ -205,6 +209,8 @@ def parse_config(
         side_channel_timeout_s=_expect(
             extra, "side_channel_timeout_s", float, DEFAULT_SIDE_CHANNEL_TIMEOUT_S
         ),
+        claim_wait_s=_expect(extra, "claim_wait_s", float, 10.0),
+        read_retries=_expect(extra, "read_retries", int, 1),
         max_descriptors_per_batch=_expect(
             extra, "max_descriptors_per_batch", int, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
         ),
@@ -220,11 +226,16 @@ def parse_config(
     for key in (
         "release_timeout_s",
         "side_channel_timeout_s",
+        "claim_wait_s",
         "max_descriptors_per_batch",
         "receiver_threads",
         "staging_buffer_mib",
     ):
         _positive(key, getattr(config, key))
+    if config.read_retries < 0:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config['read_retries'] must be >= 0, got {config.read_retries}"
+        )
     if config.protocol not in ("tcp", "rdma", "ascend", "nvlink", "efa"):
         raise ConnectorConfigError(
             f"kv_connector_extra_config['protocol'] {config.protocol!r} is not a Mooncake "

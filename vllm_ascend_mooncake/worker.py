@@ -138,6 +138,8 @@ class ConnectorWorker:
                     coalesce_runs=config.coalesce_runs,
                     max_descriptor_bytes=config.max_descriptor_kib << 10,
                     num_threads=config.receiver_threads,
+                    claim_wait_s=config.claim_wait_s,
+                    read_retries=config.read_retries,
                 ),
                 staging,
             )

@@ -132,3 +132,54 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
     for rank, report in enumerate(finished):
         assert report["counts"] == {r.transfer_id: 1 for r in requests}, f"prefill rank {rank}"
         assert report["expired"] == 0
+
+
+def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> None:
+    """kill -9 a prefill worker while decode reads from it (tens of thousands of small
+    descriptors keep the read in flight): the request fails within the transport's timeout, no
+    byte outside its blocks changes, and decode reads from a restarted worker afterwards."""
+    case = CaseSpec(
+        name="kill-mid-transfer",
+        heads=4,
+        prefill_tp=2,
+        decode_tp=1,
+        layout="vllm_head_major",
+        num_layers=4,
+        block_size=64,
+        head_size=64,
+        prefill_blocks=96,
+        decode_blocks=100,
+        coalesce_runs=False,
+        max_descriptor_bytes=1024,  # ~25,000 descriptors: the read takes seconds
+        base_port=free_port_base(2),
+    )
+    prefill = [WorkerProcess(), WorkerProcess()]
+    decode = WorkerProcess()
+    try:
+        for rank in range(2):
+            prefill[rank].call("setup_prefill", case, rank)
+        decode.call("setup_decode", case, 0)
+        big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
+        for worker in prefill:
+            worker.call("hold", [big.transfer_id])
+        started = time.monotonic()
+        decode.send("pull", [big], 120.0)
+        time.sleep(0.5)
+        prefill[1].process.kill()
+        outcome = decode.receive(180)
+        elapsed = time.monotonic() - started
+        assert "big" in outcome.failed, "the read finished before the kill: make it slower"
+        assert elapsed < 60, f"the failure took {elapsed:.0f} s to surface"
+        assert outcome.stray_bytes == 0
+
+        decode.call("resnapshot")  # the failed request's blocks hold garbage, as reported
+        prefill[1] = WorkerProcess()  # restarted worker: same port, new incarnation
+        prefill[1].call("setup_prefill", case, 1)
+        small = RequestSpec("small", "small-transfer", (97, 98), (5, 6))
+        for worker in prefill:
+            worker.call("hold", [small.transfer_id])
+        after = decode.call("pull", [small], 60.0)
+        assert after.done == ["small"] and after.wrong_requests == {} and after.stray_bytes == 0
+    finally:
+        for worker in [*prefill, decode]:
+            worker.close()

@@ -354,6 +354,10 @@ class _WorkerState:
             self._verify(requests, outcome)
         return outcome
 
+    def resnapshot(self) -> None:
+        """Accept the decode cache's current bytes as the baseline for later stray-byte checks."""
+        self.snapshot = [a.copy() for a in self.memory_arrays]
+
     def ceiling_read(self, bytes_per_rank: dict[int, int], chunk: int = 1 << 20) -> float:
         """The transport's ceiling: the same bytes from the same prefill ranks, read as plain
         ``chunk``-sized descriptors (in parallel across ranks), into a scratch buffer."""
