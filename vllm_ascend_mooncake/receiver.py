@@ -70,7 +70,8 @@ class PullStats:
     request_id: str
     num_bytes: int
     num_descriptors: int
-    seconds: float
+    seconds: float  # first read to KV ready
+    fixup_seconds: float = 0.0
 
 
 class StagingPool:
@@ -365,6 +366,7 @@ class Receiver:
                 time.sleep(self._options.retry_backoff_s * (attempt + 1))
 
     def _complete(self, state: _InFlight) -> None:
+        fixup_started = time.perf_counter()
         try:
             if state.failure is None:
                 apply_swaps(self._memory, state.plan.fixups)
@@ -382,6 +384,7 @@ class Receiver:
                         state.plan.num_bytes,
                         state.plan.num_descriptors,
                         time.perf_counter() - state.started,
+                        time.perf_counter() - fixup_started,
                     )
                 )
         self._finish(state.pull, state.failure)

@@ -100,6 +100,7 @@ class PullOutcome:
     bytes_moved: int = 0
     descriptors: int = 0
     ready_seconds: float = 0.0  # slowest request: first read to KV ready (fix-up included)
+    fixup_seconds: float = 0.0
 
 
 def free_port_base(count: int) -> int:
@@ -348,6 +349,7 @@ class _WorkerState:
             outcome.bytes_moved += stat.num_bytes
             outcome.descriptors += stat.num_descriptors
             outcome.ready_seconds = max(outcome.ready_seconds, stat.seconds)
+            outcome.fixup_seconds = max(outcome.fixup_seconds, stat.fixup_seconds)
         for request_id in pending:
             outcome.failed[request_id] = f"not finished within {timeout_s} s"
         if case.verify:
