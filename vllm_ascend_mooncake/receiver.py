@@ -177,7 +177,7 @@ class Receiver:
         self._prepare_pool = ThreadPoolExecutor(
             self._options.num_threads, thread_name_prefix="vam-prepare"
         )
-        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._lanes: dict[str, _Lane] = {}  # by prefill transfer-engine session
         self._queue: queue.Queue[PullRequest | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -305,11 +305,10 @@ class Receiver:
             time.sleep(0.05)
 
     def _lane(self, session: str) -> _Lane:
-        key = (session, 0)
         with self._lock:
-            lane = self._lanes.get(key)
+            lane = self._lanes.get(session)
             if lane is None:
-                lane = self._lanes[key] = _Lane(
+                lane = self._lanes[session] = _Lane(
                     self._pool, self._read_from, self._options.requests_per_turn
                 )
         return lane

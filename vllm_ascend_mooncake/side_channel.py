@@ -98,14 +98,16 @@ class SideChannelClient:
         """Send ``message`` and return the reply; raises :class:`SideChannelError`."""
         peer = (host, port)
         with self._lock_for(peer):
-            sock = self._sockets.get(peer)
+            with self._guard:
+                sock = self._sockets.get(peer)
             if sock is None:
                 sock = self._context.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 if ":" in host:
                     sock.setsockopt(zmq.IPV6, 1)
                 sock.connect(zmq_address(host, port))
-                self._sockets[peer] = sock
+                with self._guard:
+                    self._sockets[peer] = sock
             try:
                 sock.send_multipart([b"", encode(message)])
                 if not sock.poll(self._timeout_ms, zmq.POLLIN):
@@ -118,7 +120,8 @@ class SideChannelClient:
                 reply = decode(frames[1])
             except (SideChannelError, WireError, zmq.ZMQError) as exc:
                 sock.close()
-                del self._sockets[peer]
+                with self._guard:
+                    self._sockets.pop(peer, None)
                 if isinstance(exc, SideChannelError):
                     raise
                 raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
