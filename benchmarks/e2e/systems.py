@@ -1,0 +1,411 @@
+"""The three systems the benchmark compares, each started and stopped the same way.
+
+* ``colocated``: one ``vllm serve`` instance, no connector (the reference);
+* ``ours``: prefill + decode with ``MooncakeHeteroConnector`` and ``vllm_ascend_mooncake.proxy``,
+  through :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment`;
+* ``vllm_mooncake``: prefill + decode with vLLM's in-tree ``MooncakeConnector`` (TCP) and
+  :mod:`benchmarks.e2e.mooncake_proxy`, with the CPU workaround of :mod:`cpu_accelerator_shim`.
+
+All instances get the same model, dtype, block size, context length, environment
+(:func:`~vllm_ascend_mooncake.testing.engine_env.engine_env`, hence ``TORCH_COMPILE_DISABLE=1``
+and ``VLLM_CPU_OMP_THREADS_BIND=nobind``, plus a 1 s stats interval) and VllmServer's defaults
+(eager mode, ``max_num_seqs`` 8), so the only differences are the connector and its proxy. Every
+server runs in its own process group and :meth:`BenchSystem.stop` stops all of them, whatever
+state ``start`` left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer, free_port
+
+from .transfer_logs import (
+    error_lines,
+    mooncake_timeouts,
+    read_log,
+    transfer_count_totals,
+    weighted_mean_field,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIM_DIR = Path(__file__).resolve().parent / "cpu_accelerator_shim"
+SHIM_FLAG = "VAM_BENCH_CPU_ACCELERATOR_SHIM"
+
+#: Seconds between vLLM's stats log lines (the "KV Transfer metrics" lines among them).
+STATS_INTERVAL_S = 1
+
+_PROXY_READY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every instance of every system shares."""
+
+    model: str
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 512
+
+
+@dataclass
+class TransferCheck:
+    """Whether the logs show KV actually moved from prefill to decode, with the evidence."""
+
+    ok: bool
+    successful_transfers: int
+    failure_counts: dict[str, int] = field(default_factory=dict)
+    detail: str = ""
+    error_lines: list[str] = field(default_factory=list)
+    #: The connector's own mean time per transfer, from its logs. Not comparable one to one:
+    #: ours times a pull on decode from its start (including waiting for the prefill's
+    #: go-ahead); vLLM's times a push on prefill.
+    mean_transfer_ms: float | None = None
+    #: Mooncake batch transfers that hit the transport's 30 s timeout (retried or failed).
+    mooncake_timeouts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "successful_transfers": self.successful_transfers,
+            "failure_counts": self.failure_counts,
+            "detail": self.detail,
+            "error_lines": self.error_lines,
+            "mean_transfer_ms": self.mean_transfer_ms,
+            "mooncake_timeouts": self.mooncake_timeouts,
+        }
+
+
+def _check_transfers(
+    success_key: str,
+    failure_keys: tuple[str, ...],
+    logs: dict[str, Path],
+    mean_time_key: str | None = None,
+) -> TransferCheck:
+    """Sum the metrics of all ``logs``; ok when something moved and nothing failed."""
+    totals: dict[str, int] = {}
+    errors: list[str] = []
+    mean_ms = None
+    timeouts = 0
+    for role, path in logs.items():
+        text = read_log(path)
+        for name, count in transfer_count_totals(text).items():
+            totals[name] = totals.get(name, 0) + count
+        errors += [f"{role}: {line}" for line in error_lines(text)]
+        timeouts += mooncake_timeouts(text)
+        if mean_time_key is not None and mean_ms is None:
+            mean_ms = weighted_mean_field(text, success_key, mean_time_key)
+    successes = totals.get(success_key, 0)
+    failures = {key: totals.get(key, 0) for key in failure_keys}
+    ok = successes > 0 and not any(failures.values())
+    detail = f"{success_key}={successes}, " + ", ".join(f"{k}={v}" for k, v in failures.items())
+    if mean_ms is not None:
+        detail += f", mean {mean_time_key}={mean_ms:.1f}"
+    detail += f", Mooncake 30 s transfer timeouts={timeouts}"
+    return TransferCheck(ok, successes, failures, detail, errors, mean_ms, timeouts)
+
+
+class BenchSystem:
+    """A system under test: start it, send requests to :attr:`url`, check transfers, stop it."""
+
+    name: str
+    description: str
+    url: str
+
+    def start(self, timeout_s: float) -> float:
+        """Start every process and wait until requests can be served; return seconds taken."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop every process this system started (safe to call after a failed start)."""
+        raise NotImplementedError
+
+    def transfer_check(self) -> TransferCheck | None:
+        """Evidence that P/D moved KV over the connector; None for a colocated system."""
+        return None
+
+    def log_paths(self) -> list[Path]:
+        raise NotImplementedError
+
+    def process_groups(self) -> list[int]:
+        """Process-group ids of everything this system started (for CPU accounting)."""
+        raise NotImplementedError
+
+
+class ColocatedSystem(BenchSystem):
+    name = "colocated"
+
+    def __init__(self, settings: EngineSettings, tp: int, log_dir: Path) -> None:
+        self.description = f"one vllm serve instance, TP {tp}, no connector"
+        self.server = VllmServer(
+            settings.model,
+            tensor_parallel_size=tp,
+            dtype=settings.dtype,
+            block_size=settings.block_size,
+            max_model_len=settings.max_model_len,
+            extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
+            log_path=log_dir / "colocated.log",
+        )
+        self.url = self.server.base_url
+
+    def start(self, timeout_s: float) -> float:
+        self.server.start()
+        return self.server.wait_ready(timeout_s)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def log_paths(self) -> list[Path]:
+        return [self.server.log_path]
+
+    def process_groups(self) -> list[int]:
+        return [self.server.pid]
+
+
+class OursSystem(BenchSystem):
+    name = "ours"
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        prefill_tp: int,
+        decode_tp: int,
+        log_dir: Path,
+        kv_hold_timeout_s: int,
+    ) -> None:
+        self.description = (
+            f"MooncakeHeteroConnector P/D, prefill TP {prefill_tp} -> decode TP {decode_tp}, "
+            "vllm_ascend_mooncake.proxy"
+        )
+        self.deployment = LocalDeployment(
+            DeploymentSpec(
+                model=settings.model,
+                prefill_tp=prefill_tp,
+                decode_tp=decode_tp,
+                dtype=settings.dtype,
+                block_size=settings.block_size,
+                max_model_len=settings.max_model_len,
+                # How long P keeps a request's KV for D (vLLM's connector: abort timeout).
+                release_timeout_s=float(kv_hold_timeout_s),
+                log_dir=str(log_dir / "ours"),
+                extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
+            )
+        )
+        self.url = self.deployment.proxy_url
+
+    def start(self, timeout_s: float) -> float:
+        return self.deployment.start(timeout_s)
+
+    def stop(self) -> None:
+        self.deployment.stop()
+
+    def transfer_check(self) -> TransferCheck:
+        # Decode pulls, so successes are logged there; expired releases (P gave up waiting for
+        # a pull) are logged on prefill.
+        return _check_transfers(
+            "Num successful pulls",
+            ("Num failed pulls", "Num expired releases"),
+            {
+                "decode": self.deployment.decode.log_path,
+                "prefill": self.deployment.prefill.log_path,
+            },
+            mean_time_key="Avg pull time (ms)",
+        )
+
+    def log_paths(self) -> list[Path]:
+        return [
+            self.deployment.prefill.log_path,
+            self.deployment.decode.log_path,
+            self.deployment.proxy_log,
+        ]
+
+    def process_groups(self) -> list[int]:
+        # LocalDeployment starts its proxy in a session of its own, like the servers, but has
+        # no public handle on that process.
+        proxy = self.deployment._proxy
+        groups = [self.deployment.prefill.pid, self.deployment.decode.pid]
+        return groups + ([proxy.pid] if proxy is not None else [])
+
+
+def vllm_mooncake_config(role: str) -> dict[str, Any]:
+    """``--kv-transfer-config`` for vLLM's in-tree connector over TCP."""
+    config: dict[str, Any] = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2},
+    }
+    if role == "kv_consumer":
+        # A failed load must fail the request, not be recomputed silently (as with ours).
+        config["kv_load_failure_policy"] = "fail"
+    return config
+
+
+class VllmMooncakeSystem(BenchSystem):
+    name = "vllm_mooncake"
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        prefill_tp: int,
+        decode_tp: int,
+        log_dir: Path,
+        kv_hold_timeout_s: int,
+    ) -> None:
+        self.description = (
+            f"vLLM MooncakeConnector (tcp) P/D, prefill TP {prefill_tp} -> decode TP "
+            f"{decode_tp}, benchmarks.e2e.mooncake_proxy"
+        )
+        self.log_dir = log_dir / "vllm_mooncake"
+        self.bootstrap_port = free_port()
+        inherited_path = os.environ.get("PYTHONPATH")
+        env = {
+            "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S),
+            # One bootstrap server per P: a fixed default port would clash with another run.
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port),
+            # How long P keeps a request's KV for D; a lost transfer fails after this (+60 s).
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(kv_hold_timeout_s),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIM_DIR), inherited_path])),
+            SHIM_FLAG: "1",
+        }
+        self.prefill, self.decode = (
+            VllmServer(
+                settings.model,
+                tensor_parallel_size=tp,
+                dtype=settings.dtype,
+                block_size=settings.block_size,
+                max_model_len=settings.max_model_len,
+                extra_args=["--kv-transfer-config", json.dumps(vllm_mooncake_config(role))],
+                extra_env=env,
+                log_path=self.log_dir / f"{label}.log",
+            )
+            for role, tp, label in (
+                ("kv_producer", prefill_tp, "prefill"),
+                ("kv_consumer", decode_tp, "decode"),
+            )
+        )
+        self.proxy_port = free_port()
+        self.url = f"http://127.0.0.1:{self.proxy_port}"
+        self.proxy_log = self.log_dir / "proxy.log"
+        self._proxy: subprocess.Popen[bytes] | None = None
+        self._proxy_log_file: IO[bytes] | None = None
+
+    @property
+    def bootstrap_url(self) -> str:
+        return f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def start(self, timeout_s: float) -> float:
+        started = time.monotonic()
+        self.prefill.start()
+        self.decode.start()
+        self.prefill.wait_ready(timeout_s)
+        self.decode.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
+        self.proxy_log.parent.mkdir(parents=True, exist_ok=True)
+        self._proxy_log_file = self.proxy_log.open("wb")
+        self._proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.e2e.mooncake_proxy",
+                "--port",
+                str(self.proxy_port),
+                "--prefill",
+                self.prefill.base_url,
+                "--decode",
+                self.decode.base_url,
+                "--bootstrap",
+                self.bootstrap_url,
+            ],
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=self._proxy_log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + _PROXY_READY_TIMEOUT_S
+        while not _http_ok(f"{self.url}/health"):
+            if self._proxy.poll() is not None or time.monotonic() > deadline:
+                raise ServerError(
+                    "the MooncakeConnector proxy never became healthy (P, D and P's bootstrap "
+                    f"server {self.bootstrap_url}/query must answer); proxy log:\n"
+                    f"{read_log(self.proxy_log)[-3000:]}\nprefill log tail:\n"
+                    f"{self.prefill.log_tail(3000)}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        try:
+            self._stop_proxy()
+        finally:
+            self._stop_servers()
+
+    def _stop_proxy(self) -> None:
+        proxy, self._proxy = self._proxy, None
+        try:
+            if proxy is not None and proxy.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proxy.pid, signal.SIGTERM)
+                try:
+                    proxy.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proxy.pid, signal.SIGKILL)
+                    proxy.wait(timeout=10)
+        finally:
+            if self._proxy_log_file is not None:
+                self._proxy_log_file.close()
+                self._proxy_log_file = None
+
+    def _stop_servers(self) -> None:
+        errors = []
+        for server in (self.decode, self.prefill):
+            try:
+                server.stop()
+            except ServerError as error:
+                errors.append(str(error))
+        if errors:
+            raise ServerError("; ".join(errors))
+
+    def proxy_stats(self) -> dict[str, Any] | None:
+        """The proxy's count of failed prefill legs (None if it cannot be asked)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/proxy_stats", timeout=5) as response:
+                return dict(json.load(response))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def transfer_check(self) -> TransferCheck:
+        # P pushes, so successes are logged on prefill; failed receives on decode.
+        return _check_transfers(
+            "Num successful transfers",
+            ("Num failed transfers", "Num failed recvs", "Num KV expired reqs"),
+            {"prefill": self.prefill.log_path, "decode": self.decode.log_path},
+            mean_time_key="Avg xfer time (ms)",
+        )
+
+    def log_paths(self) -> list[Path]:
+        return [self.prefill.log_path, self.decode.log_path, self.proxy_log]
+
+    def process_groups(self) -> list[int]:
+        groups = [self.prefill.pid, self.decode.pid]
+        return groups + ([self._proxy.pid] if self._proxy is not None else [])
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
