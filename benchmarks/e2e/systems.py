@@ -16,6 +16,7 @@ state ``start`` left behind.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -117,31 +118,34 @@ def _check_transfers(
     return TransferCheck(ok, successes, failures, detail, errors, mean_ms, timeouts)
 
 
-class BenchSystem:
+class BenchSystem(abc.ABC):
     """A system under test: start it, send requests to :attr:`url`, check transfers, stop it."""
 
     name: str
     description: str
     url: str
 
+    @abc.abstractmethod
     def start(self, timeout_s: float) -> float:
         """Start every process and wait until requests can be served; return seconds taken."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stop(self) -> None:
         """Stop every process this system started (safe to call after a failed start)."""
-        raise NotImplementedError
+        ...
 
     def transfer_check(self) -> TransferCheck | None:
         """Evidence that P/D moved KV over the connector; None for a colocated system."""
         return None
 
-    def log_paths(self) -> list[Path]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log_paths(self) -> list[Path]: ...
 
+    @abc.abstractmethod
     def process_groups(self) -> list[int]:
         """Process-group ids of everything this system started (for CPU accounting)."""
-        raise NotImplementedError
+        ...
 
 
 class ColocatedSystem(BenchSystem):
