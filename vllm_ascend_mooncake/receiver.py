@@ -23,25 +23,13 @@ from .layout import BlockOrder, Region, effective_order
 from .log import get_logger
 from .peers import PeerDirectory
 from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch, plan_request
+from .pull import PullRequest
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
 from .side_channel import SideChannelClient, SideChannelError
 from .topology import TransferTopology, request_seed
 from .wire import ClaimRead, ClaimReply, ReadDone
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class PullRequest:
-    """One request's KV to pull, as the decode scheduler hands it to a worker."""
-
-    request_id: str
-    transfer_id: str
-    local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    remote_host: str
-    remote_port: int
-    remote_engine_id: str | None = None
 
 
 @dataclass(frozen=True)

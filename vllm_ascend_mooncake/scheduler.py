@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .config import ConnectorConfig
 from .log import get_logger
 from .params import InvalidTransferParams, RemotePrefill, parse_remote_prefill
+from .pull import PullRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -23,24 +24,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class PullOrder:
-    """Decode workers: pull ``remote`` blocks (suffix) into ``local`` blocks for ``request_id``."""
-
-    request_id: str
-    transfer_id: str
-    local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    remote_host: str
-    remote_port: int
-    remote_engine_id: str
-
-
 @dataclass
 class StepOrders:
     """What the scheduler asks the workers to do this step (carried by the step metadata)."""
 
-    pulls: list[PullOrder] = field(default_factory=list)
+    pulls: list[PullRequest] = field(default_factory=list)
     holds: list[str] = field(default_factory=list)
 
 
@@ -115,8 +103,8 @@ class ConnectorScheduler:
             local = blocks.get_unhashed_block_ids()[:needed]
         self._orders.pulls.append(self._pull_order(request.request_id, remote, local))
 
-    def _pull_order(self, request_id: str, remote: RemotePrefill, local: list[int]) -> PullOrder:
-        return PullOrder(
+    def _pull_order(self, request_id: str, remote: RemotePrefill, local: list[int]) -> PullRequest:
+        return PullRequest(
             request_id=request_id,
             transfer_id=remote.remote_request_id,
             local_block_ids=tuple(local),

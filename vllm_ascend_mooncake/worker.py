@@ -16,7 +16,7 @@ from .engine import MooncakeEngine
 from .log import get_logger
 from .peers import PeerDirectory
 from .plan import StagingArea
-from .receiver import PullRequest, Receiver, ReceiverOptions, StagingPool
+from .receiver import Receiver, ReceiverOptions, StagingPool
 from .registration import regions_from_split_caches, regions_from_vllm_views, storage_ranges
 from .relayout import LocalMemory
 from .scheduler import StepOrders
@@ -181,18 +181,8 @@ class ConnectorWorker:
             for request_id in orders.holds:
                 self.sender.tracker.hold(request_id)
         if self.receiver is not None:
-            for order in orders.pulls:
-                self.receiver.submit(
-                    PullRequest(
-                        request_id=order.request_id,
-                        transfer_id=order.transfer_id,
-                        local_block_ids=order.local_block_ids,
-                        remote_block_ids=order.remote_block_ids,
-                        remote_host=order.remote_host,
-                        remote_port=order.remote_port,
-                        remote_engine_id=order.remote_engine_id,
-                    )
-                )
+            for pull in orders.pulls:
+                self.receiver.submit(pull)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         sending: set[str] = set()

@@ -320,7 +320,7 @@ class _WorkerState:
         return self.engine.session
 
     def pull(self, requests: list[RequestSpec], timeout_s: float) -> PullOutcome:
-        from ..receiver import PullRequest
+        from ..pull import PullRequest
 
         case = self.case
         outcome = PullOutcome()
