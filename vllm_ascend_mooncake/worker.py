@@ -108,7 +108,7 @@ class ConnectorWorker:
                 block_size=config.block_size,
                 head_size=model.get_head_size(),
                 num_kv_heads=config.num_kv_heads,
-                num_layers=len(regions),
+                num_layers=len(ordered),
                 is_mla=config.is_mla,
             ),
             regions=[RegionInfo.of(r) for r in regions],
