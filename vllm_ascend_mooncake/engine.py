@@ -74,10 +74,6 @@ class MooncakeEngine:
         if protocol == "tcp":
             # Without it an engine on a host with RDMA NICs silently picks RDMA.
             os.environ.setdefault("MC_FORCE_TCP", "1")
-            # Mooncake's TCP transport can stall a read after an idle gap (Mooncake#4209) until
-            # its timeout, 30 s by default: bound it (5 s + 1 ns per byte is Mooncake's budget,
-            # and its minimum) so that the receiver's retry comes sooner.
-            os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
         self._engine = mooncake.TransferEngine()
         rc = self._engine.initialize(hostname, METADATA_P2P, protocol, device_name)
         if rc != 0:
