@@ -194,6 +194,17 @@ class LocalDeployment:
             return None
         return last
 
+    def transfer_totals(self) -> dict[str, int]:
+        """Successful and failed pulls summed over every metrics line the decode logged."""
+        totals = {"successful": 0, "failed": 0}
+        try:
+            text = self.decode.log_path.read_text(errors="replace")
+        except OSError:
+            return totals
+        for key, label in (("successful", "Num successful pulls"), ("failed", "Num failed pulls")):
+            totals[key] = sum(int(n) for n in re.findall(rf"{label}=(\d+)", text))
+        return totals
+
     def __enter__(self) -> LocalDeployment:
         try:
             self.start()
