@@ -57,6 +57,7 @@ class ConnectorConfig:
     coalesce_runs: bool
     receiver_threads: int
     staging_buffer_mib: int
+    read_wait: str = "poll"
     dp_rank: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -95,6 +96,7 @@ _KEYS = {
     "coalesce_runs": "run-level coalescing for heterogeneous TP",
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
     "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
+    "read_wait": "how reads wait: poll (sleeps; default on tcp) or sync (Mooncake's spin)",
 }
 
 
@@ -145,7 +147,7 @@ def parse_config(
     device_type: str,
 ) -> ConnectorConfig:
     """Validate the user's settings against the running engine."""
-    from .engine import default_protocol
+    from .engine import READ_WAITS, default_protocol, default_read_wait
 
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(_KEYS))
@@ -218,11 +220,19 @@ def parse_config(
         coalesce_runs=_expect(extra, "coalesce_runs", bool, True),
         receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
+        read_wait=_expect(extra, "read_wait", str, ""),
         dp_rank=dp_rank,
         extra=extra,
     )
     if config.max_descriptor_kib < 0:
         config = replace(config, max_descriptor_kib=1024 if config.protocol == "tcp" else 0)
+    if not config.read_wait:
+        config = replace(config, read_wait=default_read_wait(config.protocol))
+    if config.read_wait not in READ_WAITS:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config['read_wait'] must be one of {', '.join(READ_WAITS)}, "
+            f"got {config.read_wait!r}"
+        )
     for key in (
         "release_timeout_s",
         "side_channel_timeout_s",

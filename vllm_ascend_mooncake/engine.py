@@ -1,14 +1,24 @@
 """The Mooncake TransferEngine wrapper: one engine per worker process, checked return codes.
 
 Mooncake's Python binding returns bare integers; here every failure becomes a typed error that says
-what was attempted, with which peer, and what to check. Reads use ``batch_transfer_sync_read``,
-whose argument order is *local first, peer second*: ``(peer, local_addrs, remote_addrs, lengths)``.
+what was attempted, with which peer, and what to check. Read calls take *local first, peer second*:
+``(peer, local_addrs, remote_addrs, lengths)``.
+
+How a read waits matters on small hosts. ``batch_transfer_sync_read`` waits by spinning on the batch
+status without ever sleeping: one busy core per read in flight. On a 2-core machine two decode
+ranks reading at once took both cores from the prefill's TCP threads that were serving them, the
+transfers made no progress for Mooncake's 30 s timeout, and ZMQ and vLLM threads of every process
+starved with them. The ``poll`` wait submits each descriptor as its own asynchronous batch and
+checks them with ``transfer_check_status`` (which, unlike the batch calls, returns at once),
+sleeping between rounds. It is the default over TCP; other transports keep Mooncake's own
+``sync`` wait, which is what they were measured with upstream.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +31,28 @@ METADATA_P2P = "P2PHANDSHAKE"
 
 # Protocol per device type, used when the configuration does not name one.
 DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
+
+# How reads wait for completion, by protocol, when the configuration does not say.
+READ_WAITS = ("poll", "sync")
+
+
+def default_read_wait(protocol: str) -> str:
+    return "poll" if protocol == "tcp" else "sync"
+
+
+# Mooncake's own sync-call timeout: MC_TRANSFER_TIMEOUT seconds (default 30, at least 5) plus one
+# nanosecond per byte. The polled wait keeps the same budget.
+def transfer_timeout_s() -> float:
+    try:
+        seconds = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+    except ValueError:
+        seconds = 30.0
+    return max(seconds, 5.0)
+
+
+# Polled wait: first sleep, and the longest sleep between two rounds of status checks.
+POLL_FIRST_SLEEP_S = 50e-6
+POLL_MAX_SLEEP_S = 2e-3
 
 # Ascend's HCCL transport registers device memory in 2 MiB-aligned regions, at most 256 of them.
 DEVICE_REGISTRATION_LIMITS = {"npu": (2 << 20, 256)}
@@ -68,8 +100,16 @@ class MooncakeEngine:
     """A started transfer engine with this process's KV memory registered."""
 
     def __init__(
-        self, hostname: str, protocol: str, device_name: str = "", device_type: str = "cpu"
+        self,
+        hostname: str,
+        protocol: str,
+        device_name: str = "",
+        device_type: str = "cpu",
+        read_wait: str | None = None,
     ) -> None:
+        read_wait = read_wait or default_read_wait(protocol)
+        if read_wait not in READ_WAITS:
+            raise TransferEngineError(f"read_wait must be one of {READ_WAITS}, not {read_wait!r}")
         mooncake = require_mooncake_engine()
         if protocol == "tcp":
             # Without it an engine on a host with RDMA NICs silently picks RDMA.
@@ -84,10 +124,16 @@ class MooncakeEngine:
             )
         self.protocol = protocol
         self.device_type = device_type
+        self.read_wait = read_wait
         self.session = session_name(hostname, self._engine.get_rpc_port())
         self._registered: list[MemoryRange] = []
         self._lock = threading.Lock()
-        logger.info("Mooncake transfer engine up: session %s, protocol %s", self.session, protocol)
+        logger.info(
+            "Mooncake transfer engine up: session %s, protocol %s, reads wait by %s",
+            self.session,
+            protocol,
+            read_wait,
+        )
 
     @property
     def registered(self) -> Sequence[MemoryRange]:
@@ -132,6 +178,18 @@ class MooncakeEngine:
         """Copy ``lengths[i]`` bytes at peer ``remote_addrs[i]`` into local ``local_addrs[i]``."""
         if not len(lengths):
             return
+        if self.read_wait == "sync":
+            self._read_sync(peer_session, local_addrs, remote_addrs, lengths)
+        else:
+            self._read_polled(peer_session, local_addrs, remote_addrs, lengths)
+
+    def _read_sync(
+        self,
+        peer_session: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
         rc = self._engine.batch_transfer_sync_read(
             peer_session, list(local_addrs), list(remote_addrs), list(lengths)
         )
@@ -140,6 +198,65 @@ class MooncakeEngine:
                 f"Mooncake batch_transfer_sync_read from {peer_session} of {len(lengths)} "
                 f"descriptor(s), {int(sum(lengths))} B, returned {rc}: the peer is unreachable, "
                 f"restarted, or the addresses are no longer registered"
+            )
+
+    def _read_polled(
+        self,
+        peer_session: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        """One asynchronous batch per descriptor, checked without spinning.
+
+        A failed descriptor does not end the wait: every other one is waited for too, so that no
+        byte lands in local memory after this call has reported the read failed (the caller then
+        hands those blocks back to vLLM, which may recompute into them).
+        """
+        total = int(sum(lengths))
+        deadline = time.monotonic() + transfer_timeout_s() + total * 1e-9
+        pending: list[int] = []
+        rejected = 0
+        for local, remote, length in zip(local_addrs, remote_addrs, lengths, strict=True):
+            batch_id = self._engine.batch_transfer_async_read(
+                peer_session, [local], [remote], [length]
+            )
+            if batch_id == 0:  # Mooncake's failure value: batch ids are unsigned
+                rejected += 1
+                break  # the peer is unusable; wait out what is already in flight
+            pending.append(batch_id)
+        not_submitted = len(lengths) - len(pending) - rejected
+        failed, timed_out = 0, 0
+        sleep_s = POLL_FIRST_SLEEP_S
+        while pending:
+            still = []
+            for batch_id in pending:
+                status = self._engine.transfer_check_status(batch_id)
+                if status == 0:
+                    still.append(batch_id)
+                elif status == -2:  # the transport gave up on it (Mooncake keeps the batch)
+                    timed_out += 1
+                elif status < 0:
+                    failed += 1
+            pending = still
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"Mooncake read from {peer_session} of {len(lengths)} descriptor(s), {total} "
+                    f"B, did not finish within {transfer_timeout_s():.0f} s (MC_TRANSFER_TIMEOUT): "
+                    f"{len(pending)} descriptor(s) still in flight; the peer is stalled or "
+                    f"overloaded"
+                )
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, POLL_MAX_SLEEP_S)
+        if failed or timed_out or rejected:
+            raise TransferError(
+                f"Mooncake read from {peer_session} of {len(lengths)} descriptor(s), {total} B: "
+                f"{failed} failed, {timed_out} timed out in the transport"
+                + (f", {rejected} refused at submission" if rejected else "")
+                + (f", {not_submitted} not submitted" if not_submitted else "")
+                + ": the peer is unreachable, restarted, or the addresses are no longer registered"
             )
 
     def close(self) -> None:

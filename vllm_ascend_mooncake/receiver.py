@@ -5,7 +5,10 @@ contact). Reads then run on a thread pool with one FIFO lane per prefill peer: d
 parallel, one peer strictly in order. All layers of a request-peer pair go out as one batched read,
 split at the descriptor cap. The fix-up runs only once every pull of the request has landed; a
 partially read request is never fixed up or reported loaded. Each peer read gets a read-done
-notification (success or not) so the prefill side can free its blocks.
+notification (success or not) so the prefill side can free its blocks. Notifications leave the
+read path: they go out on their own threads, in order per peer, and are retried when the peer does
+not answer, so one slow exchange neither delays the request nor strands the prefill's blocks
+until their deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .peers import PeerDirectory
 from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch, plan_request
 from .pull import PullRequest
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
-from .side_channel import SideChannelClient, SideChannelError
+from .side_channel import PeerRefused, SideChannelClient, SideChannelError
 from .topology import TransferTopology, request_seed
 from .wire import ClaimRead, ClaimReply, ReadDone
 
@@ -43,6 +46,8 @@ class ReceiverOptions:
     read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
+    notify_attempts: int = 4  # read-done deliveries tried per peer before the prefill's deadline
+    notify_backoff_s: float = 1.0  # wait before retry n is n times this
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,10 @@ class Receiver:
             self._options.num_threads, thread_name_prefix="vam-prepare"
         )
         self._lanes: dict[str, _Lane] = {}  # by prefill transfer-engine session
+        self._notify_pool = ThreadPoolExecutor(
+            self._options.num_threads, thread_name_prefix="vam-notify"
+        )
+        self._notify_lanes: dict[tuple[str, int], _Lane] = {}  # by side-channel address
         self._queue: queue.Queue[PullRequest | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -199,6 +208,8 @@ class Receiver:
         self._dispatcher.join(timeout=5)
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
+        # Undelivered notices are dropped: the prefill releases those blocks at its deadline.
+        self._notify_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -384,6 +395,17 @@ class Receiver:
                 self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
 
     def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
+        """Queue the read-done notice for ``peer``; it is sent off the read path."""
+        key = (peer.host, peer.port)
+        with self._lock:
+            lane = self._notify_lanes.get(key)
+            if lane is None:
+                lane = self._notify_lanes[key] = _Lane(
+                    self._notify_pool, self._send_read_done, self._options.requests_per_turn
+                )
+        lane.push((peer, transfer_id, failure))
+
+    def _send_read_done(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
         message = ReadDone(
             request_id=transfer_id,
             decode_rank=self._rank,
@@ -391,15 +413,34 @@ class Receiver:
             success=failure is None,
             reason=failure or "",
         )
-        try:
-            self._client.request(peer.host, peer.port, message)
-        except Exception as exc:
-            logger.warning(
-                "could not tell prefill rank %d (%s:%d) that request %s was read (%s); it will "
-                "release the blocks at its deadline",
-                peer.rank,
-                peer.host,
-                peer.port,
-                transfer_id,
-                exc,
-            )
+        attempts = max(1, self._options.notify_attempts)
+        error: Exception | None = None
+        for attempt in range(1, attempts + 1):
+            try:
+                self._client.request(peer.host, peer.port, message)
+                if attempt > 1:
+                    logger.info(
+                        "told prefill rank %d (%s:%d) that request %s was read, at attempt %d",
+                        peer.rank,
+                        peer.host,
+                        peer.port,
+                        transfer_id,
+                        attempt,
+                    )
+                return
+            except PeerRefused as exc:  # it answered: repeating the notice cannot help
+                error = exc
+                break
+            except Exception as exc:
+                error = exc
+                if attempt < attempts:
+                    time.sleep(self._options.notify_backoff_s * attempt)
+        logger.warning(
+            "could not tell prefill rank %d (%s:%d) that request %s was read (%s); it will "
+            "release the blocks at its deadline",
+            peer.rank,
+            peer.host,
+            peer.port,
+            transfer_id,
+            error,
+        )

@@ -23,6 +23,10 @@ class SideChannelError(RuntimeError):
     """A side-channel exchange with a peer failed or timed out."""
 
 
+class PeerRefused(SideChannelError):
+    """The peer answered, with an error: asking again will not help."""
+
+
 def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -126,9 +130,7 @@ class SideChannelClient:
                     raise
                 raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
         if isinstance(reply, ErrorReply):
-            raise SideChannelError(
-                f"{host}:{port} refused {type(message).__name__}: {reply.message}"
-            )
+            raise PeerRefused(f"{host}:{port} refused {type(message).__name__}: {reply.message}")
         return reply
 
     def fetch_metadata(self, host: str, port: int) -> Message:

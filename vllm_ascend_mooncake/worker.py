@@ -86,6 +86,7 @@ class ConnectorWorker:
             config.protocol,
             config.device_name,
             device_type=current_platform.device_type,
+            read_wait=config.read_wait,
         )
         ranges = storage_ranges(tensors)
         staging_tensors = self._staging_tensors(tensors[0]) if not config.is_producer else []

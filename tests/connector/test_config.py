@@ -30,6 +30,12 @@ def test_defaults_and_topology() -> None:
     assert cfg.side_channel_base_port(dp_rank=1) == cfg.side_channel_port + 2
 
 
+def test_reads_poll_over_tcp_and_keep_mooncakes_wait_elsewhere() -> None:
+    assert config().read_wait == "poll"
+    assert config(extra={"protocol": "rdma"}).read_wait == "sync"
+    assert config(extra={"protocol": "ascend", "read_wait": "poll"}).read_wait == "poll"
+
+
 def test_missing_sides_default_to_the_local_tp() -> None:
     cfg = config(extra={}, local_tp=2, kv_role="kv_producer")
     assert cfg.prefill.tp_size == cfg.decode.tp_size == 2
@@ -49,6 +55,7 @@ def test_missing_sides_default_to_the_local_tp() -> None:
         ({"extra": {"max_descriptors_per_batch": 0}}, "must be > 0"),
         ({"extra": {"protocol": "carrier-pigeon"}}, "not a Mooncake transport"),
         ({"extra": {"coalesce_runs": 1}}, "must be bool"),
+        ({"extra": {"read_wait": "spin"}}, "'read_wait'\\] must be one of poll, sync"),
         ({"extra": {"side_channel_port": 65535, "prefill": {"tp_size": 2}}}, "leaves no room"),
         ({"local_pp": 2}, "pipeline parallelism"),
     ],

@@ -154,18 +154,19 @@ def test_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_path)
             for future, prompt in futures.items():
                 assert_same(future.result(), reference["prompts"][prompt], "concurrent")
 
-        # Every held prefill block is released once decode has read it (a read wedged in
-        # Mooncake's TCP transport holds them for its 30 s timeout and one retry).
-        deadline = time.monotonic() + 90
+        # Nothing leaks: every held prefill block is released, normally as soon as decode says it
+        # read them, at the latest at the prefill's release deadline when those notices were lost
+        # (this VM has been measured freezing for up to ~40 s under load; see docs/deployment.md).
+        deadline = time.monotonic() + spec.release_timeout_s + 30
         while metric(pd.prefill.base_url, "vllm:kv_cache_usage_perc") > 0:
             assert time.monotonic() < deadline, "prefill still holds KV blocks"
             time.sleep(0.5)
         totals = pd.transfer_totals()
         assert totals["successful"] >= len(PROMPTS), totals
         if totals["failed"]:
-            # Mooncake's TCP transport occasionally wedges a read past its 30 s timeout and the
-            # retry (see docs/deployment.md); decode then recomputes, and the outputs above
-            # still had to match. More than one such failure in a run is not a transport hiccup.
+            # A pull whose side-channel exchange or read timed out while this VM stalled (see
+            # docs/deployment.md) is recomputed by decode, and the outputs above still had to
+            # match. More than one such failure in a run is not a hiccup.
             warnings.warn(f"{totals['failed']} pull(s) failed and were recomputed", stacklevel=1)
 
 
@@ -212,7 +213,7 @@ def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_p
             time.sleep(2)  # metrics are logged every second
             if pd.transfer_totals()["failed"] == failed_before:
                 break
-            # The pull hit a wedged Mooncake TCP read and decode recomputed X: try again.
+            # The pull timed out while the VM stalled and decode recomputed X: try again.
         else:
             pytest.fail("every pull of the negative control failed")
         colocated_y = complete(pd.prefill.base_url, name, y)
