@@ -5,10 +5,8 @@ contact). Reads then run on a thread pool with one FIFO lane per prefill peer: d
 parallel, one peer strictly in order. All layers of a request-peer pair go out as one batched read,
 split at the descriptor cap. The fix-up runs only once every pull of the request has landed; a
 partially read request is never fixed up or reported loaded. Each peer read gets a read-done
-notification (success or not) so the prefill side can free its blocks. Notifications leave the
-read path: they go out on their own threads, in order per peer, and are retried when the peer does
-not answer, so one slow exchange neither delays the request nor strands the prefill's blocks
-until their deadline.
+notification (success or not) so the prefill side can free its blocks; :mod:`.notifier` sends it
+off the read path.
 """
 
 from __future__ import annotations
@@ -16,19 +14,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .engine import MooncakeEngine, TransferError
+from .lanes import FifoLane
 from .layout import BlockOrder, Region, effective_order
 from .log import get_logger
+from .notifier import ReadDoneNotifier
 from .peers import PeerDirectory
 from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch, plan_request
 from .pull import PullRequest
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
-from .side_channel import PeerRefused, SideChannelClient, SideChannelError
+from .side_channel import SideChannelClient, SideChannelError
 from .topology import TransferTopology, request_seed
 from .wire import ClaimRead, ClaimReply, ReadDone
 
@@ -107,38 +106,6 @@ class _InFlight:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Lane:
-    """FIFO work for one peer, drained on the shared pool a few requests per turn."""
-
-    def __init__(self, pool: ThreadPoolExecutor, run, per_turn: int) -> None:
-        self._pool, self._run, self._per_turn = pool, run, per_turn
-        self._items: deque = deque()
-        self._active = False
-        self._lock = threading.Lock()
-
-    def push(self, item) -> None:
-        with self._lock:
-            self._items.append(item)
-            if self._active:
-                return
-            self._active = True
-        self._pool.submit(self._drain)
-
-    def _drain(self) -> None:
-        for _ in range(self._per_turn):
-            with self._lock:
-                if not self._items:
-                    self._active = False
-                    return
-                item = self._items.popleft()
-            self._run(*item)
-        with self._lock:
-            if not self._items:
-                self._active = False
-                return
-        self._pool.submit(self._drain)  # yield to other peers' lanes
-
-
 class Receiver:
     """Pulls requests' KV into this decode worker's cache."""
 
@@ -170,11 +137,14 @@ class Receiver:
         self._prepare_pool = ThreadPoolExecutor(
             self._options.num_threads, thread_name_prefix="vam-prepare"
         )
-        self._lanes: dict[str, _Lane] = {}  # by prefill transfer-engine session
-        self._notify_pool = ThreadPoolExecutor(
-            self._options.num_threads, thread_name_prefix="vam-notify"
+        self._lanes: dict[str, FifoLane] = {}  # by prefill transfer-engine session
+        self._notifier = ReadDoneNotifier(
+            client,
+            threads=self._options.num_threads,
+            attempts=self._options.notify_attempts,
+            backoff_s=self._options.notify_backoff_s,
+            per_turn=self._options.requests_per_turn,
         )
-        self._notify_lanes: dict[tuple[str, int], _Lane] = {}  # by side-channel address
         self._queue: queue.Queue[PullRequest | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -208,8 +178,7 @@ class Receiver:
         self._dispatcher.join(timeout=5)
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
-        # Undelivered notices are dropped: the prefill releases those blocks at its deadline.
-        self._notify_pool.shutdown(wait=False, cancel_futures=True)
+        self._notifier.shutdown()
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -303,11 +272,11 @@ class Receiver:
                 )
             time.sleep(0.05)
 
-    def _lane(self, session: str) -> _Lane:
+    def _lane(self, session: str) -> FifoLane:
         with self._lock:
             lane = self._lanes.get(session)
             if lane is None:
-                lane = self._lanes[session] = _Lane(
+                lane = self._lanes[session] = FifoLane(
                     self._pool, self._read_from, self._options.requests_per_turn
                 )
         return lane
@@ -395,17 +364,6 @@ class Receiver:
                 self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
 
     def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
-        """Queue the read-done notice for ``peer``; it is sent off the read path."""
-        key = (peer.host, peer.port)
-        with self._lock:
-            lane = self._notify_lanes.get(key)
-            if lane is None:
-                lane = self._notify_lanes[key] = _Lane(
-                    self._notify_pool, self._send_read_done, self._options.requests_per_turn
-                )
-        lane.push((peer, transfer_id, failure))
-
-    def _send_read_done(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
         message = ReadDone(
             request_id=transfer_id,
             decode_rank=self._rank,
@@ -413,34 +371,4 @@ class Receiver:
             success=failure is None,
             reason=failure or "",
         )
-        attempts = max(1, self._options.notify_attempts)
-        error: Exception | None = None
-        for attempt in range(1, attempts + 1):
-            try:
-                self._client.request(peer.host, peer.port, message)
-                if attempt > 1:
-                    logger.info(
-                        "told prefill rank %d (%s:%d) that request %s was read, at attempt %d",
-                        peer.rank,
-                        peer.host,
-                        peer.port,
-                        transfer_id,
-                        attempt,
-                    )
-                return
-            except PeerRefused as exc:  # it answered: repeating the notice cannot help
-                error = exc
-                break
-            except Exception as exc:
-                error = exc
-                if attempt < attempts:
-                    time.sleep(self._options.notify_backoff_s * attempt)
-        logger.warning(
-            "could not tell prefill rank %d (%s:%d) that request %s was read (%s); it will "
-            "release the blocks at its deadline",
-            peer.rank,
-            peer.host,
-            peer.port,
-            transfer_id,
-            error,
-        )
+        self._notifier.send(peer.host, peer.port, peer.rank, message)

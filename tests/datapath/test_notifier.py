@@ -1,0 +1,115 @@
+"""Read-done notices over a real ZMQ side channel: retried while the prefill does not answer,
+bounded, not repeated once it answers with an error, and delivered in order per peer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_ascend_mooncake.notifier import ReadDoneNotifier
+from vllm_ascend_mooncake.side_channel import SideChannelClient, SideChannelServer
+from vllm_ascend_mooncake.testing.datapath_harness import free_port_base
+from vllm_ascend_mooncake.wire import Ack, ErrorReply, ReadDone
+
+CLIENT_TIMEOUT_S = 0.3
+
+
+class Prefill:
+    """A prefill side channel that comes up only when :meth:`start` is called."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.received: list[str] = []
+        self.port = free_port_base(1)
+        self.server: SideChannelServer | None = None
+
+    def start(self) -> None:
+        self.server = SideChannelServer("127.0.0.1", self.port, self.handle)
+
+    def handle(self, message):
+        self.received.append(message.request_id)
+        return ErrorReply("unknown incarnation") if self.refuse else Ack()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def done(request_id: str) -> ReadDone:
+    return ReadDone(request_id=request_id, decode_rank=0, incarnation="i", success=True)
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def client():
+    client = SideChannelClient(timeout_s=CLIENT_TIMEOUT_S)
+    yield client
+    client.close()
+
+
+def test_an_unreachable_prefill_is_asked_again_once_it_is_back(client) -> None:
+    prefill = Prefill()
+    notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.2)  # tries at ~0, 0.5, 1.2 s
+    try:
+        started = time.monotonic()
+        notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
+        assert time.monotonic() - started < CLIENT_TIMEOUT_S, "send() must not wait for the peer"
+        time.sleep(0.9)  # two attempts went unanswered
+        prefill.start()
+        wait_for(lambda: prefill.received == ["r1"])
+        time.sleep(1.5)  # delivered: no further attempt
+        assert prefill.received == ["r1"]
+    finally:
+        notifier.shutdown()
+        prefill.close()
+
+
+def test_attempts_are_bounded(client, caplog) -> None:
+    prefill = Prefill()
+    notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05)
+    try:
+        notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
+        wait_for(lambda: "release the blocks at its deadline" in caplog.text)
+        prefill.start()
+        time.sleep(1.0)
+        assert prefill.received == [], "the notifier kept trying after its last attempt"
+    finally:
+        notifier.shutdown()
+        prefill.close()
+
+
+def test_a_refusal_is_not_repeated(client, caplog) -> None:
+    prefill = Prefill(refuse=True)
+    prefill.start()
+    notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.05)
+    try:
+        notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
+        wait_for(lambda: "unknown incarnation" in caplog.text)
+        time.sleep(0.5)
+        assert prefill.received == ["r1"]
+    finally:
+        notifier.shutdown()
+        prefill.close()
+
+
+def test_notices_to_one_peer_keep_their_order(client) -> None:
+    prefill = Prefill()
+    notifier = ReadDoneNotifier(client, threads=4, attempts=4, backoff_s=0.2)
+    ids = [f"r{i}" for i in range(8)]
+    try:
+        for request_id in ids:
+            notifier.send("127.0.0.1", prefill.port, 0, done(request_id))
+        time.sleep(0.4)
+        prefill.start()
+        wait_for(lambda: len(prefill.received) == len(ids))
+        assert prefill.received == ids
+    finally:
+        notifier.shutdown()
+        prefill.close()
