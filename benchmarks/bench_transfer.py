@@ -127,6 +127,18 @@ def main() -> int:
     parser.add_argument("--table", choices=("contiguous", "fragmented"), default="contiguous")
     parser.add_argument("--no-coalesce", action="store_true", help="disable run-level coalescing")
     parser.add_argument(
+        "--read-wait",
+        choices=("poll", "sync"),
+        default="poll",
+        help="how decode's reads (ours and the ceiling's) wait for Mooncake",
+    )
+    parser.add_argument(
+        "--block-reads-from-kib",
+        type=int,
+        default=256,
+        help="head-major merges read per block from this prefill block size (the TCP default)",
+    )
+    parser.add_argument(
         "--max-descriptor-kib",
         type=int,
         default=1024,
@@ -140,12 +152,12 @@ def main() -> int:
     print(
         f"request: {args.layers} layers, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
         f"bf16, {args.tokens} tokens, block {args.block_size} ({args.table} block table); "
-        f"Mooncake TCP over loopback; median of {args.repeats}",
+        f"Mooncake TCP over loopback, reads wait by {args.read_wait}; median of {args.repeats}",
         flush=True,
     )
     workers = (
         [WorkerProcess() for _ in range(max(p for p, _ in pairs))],
-        [WorkerProcess() for _ in range(max(d for _, d in pairs))],
+        [WorkerProcess(read_wait=args.read_wait) for _ in range(max(d for _, d in pairs))],
     )
     results = []
     try:
@@ -167,6 +179,7 @@ def main() -> int:
                     base_port=free_port_base(prefill_tp),
                     release_timeout_s=600,
                     coalesce_runs=not args.no_coalesce,
+                    block_reads_from_bytes=args.block_reads_from_kib * 1024,
                     max_descriptor_bytes=args.max_descriptor_kib << 10,
                     staging_bytes=64 << 20,
                     verify=False,

@@ -72,6 +72,7 @@ class Scenario:
     prefill_pad: int = 0
     decode_pad: int = 0
     coalesce_runs: bool = True
+    block_reads_from_bytes: int = 0
     cap: int = 1024
     staging_blocks: int = 64
     seed: int = 0
@@ -153,6 +154,7 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
     options = PlanOptions(
         max_descriptors_per_batch=sc.cap,
         coalesce_runs=sc.coalesce_runs,
+        block_reads_from_bytes=sc.block_reads_from_bytes,
         staging=StagingArea(staging_base, staging_capacity),
         max_descriptor_bytes=sc.max_descriptor_bytes,
     )
@@ -238,6 +240,7 @@ def scenarios(draw) -> tuple[Scenario, int]:
         prefill_pad=draw(st.sampled_from([0, 0, 16])),
         decode_pad=draw(st.sampled_from([0, 0, 8])),
         coalesce_runs=draw(st.booleans()),
+        block_reads_from_bytes=draw(st.sampled_from([0, 0, 1, 1 << 30])),
         cap=draw(st.sampled_from([1, 3, 1024])),
         staging_blocks=draw(st.sampled_from([1, 2, 64])),
         seed=draw(st.integers(0, 2**32)),
@@ -349,6 +352,33 @@ def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
     assert per_block.num_descriptors == 4 * 3 * 32
     assert per_block.fixups == []  # head-major blocks filled chunk by chunk need no fix-up
     assert coalesced.num_bytes == per_block.num_bytes
+
+
+def test_large_head_major_blocks_are_read_block_by_block() -> None:
+    """From ``block_reads_from_bytes`` on, a head-major merge skips run-level coalescing and its
+    fix-up; below it, and for token-major blocks, runs stay coalesced."""
+    sc = Scenario(
+        heads=8,
+        prefill_tp=4,
+        decode_tp=1,
+        kind="fused_head_major",
+        num_layers=3,
+        tokens=2,
+        head_token_bytes=2,
+        remote_blocks=40,
+        local_blocks=40,
+        remote_ids=list(range(0, 32)),
+        local_ids=list(range(8, 40)),
+    )
+    prefill_block = 2 * 2 * 2  # 2 heads per prefill rank x 2 tokens x 2 bytes
+    sc.block_reads_from_bytes = prefill_block
+    per_block = run_scenario(sc, 0)
+    assert per_block.num_descriptors == 4 * 3 * 32 and per_block.fixups == []
+    sc.block_reads_from_bytes = prefill_block + 1
+    coalesced = run_scenario(sc, 0)
+    assert coalesced.num_descriptors == 4 * 3 and coalesced.fixups
+    sc.kind, sc.block_reads_from_bytes = "fused_token_major", 1
+    assert run_scenario(sc, 0).fixups, "token-major merges always need their fix-up"
 
 
 def test_descriptor_cap_splits_batches() -> None:

@@ -55,6 +55,7 @@ class ConnectorConfig:
     max_descriptors_per_batch: int
     max_descriptor_kib: int
     coalesce_runs: bool
+    block_reads_from_kib: int
     receiver_threads: int
     staging_buffer_mib: int
     read_wait: str = "poll"
@@ -94,6 +95,7 @@ _KEYS = {
     "max_descriptors_per_batch": "cap on descriptors per transfer call",
     "max_descriptor_kib": "split larger descriptors (0: never; default 1024 on tcp, else 0)",
     "coalesce_runs": "run-level coalescing for heterogeneous TP",
+    "block_reads_from_kib": "head-major merges read per block (no fix-up) from this block size",
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
     "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
     "read_wait": "how reads wait: poll (sleeps; default on tcp) or sync (Mooncake's spin)",
@@ -218,6 +220,7 @@ def parse_config(
         ),
         max_descriptor_kib=_expect(extra, "max_descriptor_kib", int, -1),
         coalesce_runs=_expect(extra, "coalesce_runs", bool, True),
+        block_reads_from_kib=_expect(extra, "block_reads_from_kib", int, -1),
         receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
         read_wait=_expect(extra, "read_wait", str, ""),
@@ -226,6 +229,8 @@ def parse_config(
     )
     if config.max_descriptor_kib < 0:
         config = replace(config, max_descriptor_kib=1024 if config.protocol == "tcp" else 0)
+    if config.block_reads_from_kib < 0:
+        config = replace(config, block_reads_from_kib=256 if config.protocol == "tcp" else 0)
     if not config.read_wait:
         config = replace(config, read_wait=default_read_wait(config.protocol))
     if config.read_wait not in READ_WAITS:

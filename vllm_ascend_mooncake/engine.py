@@ -52,7 +52,7 @@ def transfer_timeout_s() -> float:
 
 # Polled wait: first sleep, and the longest sleep between two rounds of status checks.
 POLL_FIRST_SLEEP_S = 50e-6
-POLL_MAX_SLEEP_S = 2e-3
+POLL_MAX_SLEEP_S = 0.5e-3
 
 # Ascend's HCCL transport registers device memory in 2 MiB-aligned regions, at most 256 of them.
 DEVICE_REGISTRATION_LIMITS = {"npu": (2 << 20, 256)}

@@ -16,7 +16,8 @@ How each (decode region, pull) is moved, with ``n`` heads per pull, ``k`` pulls 
   - head-major, run-level (``coalesce_runs``): pull ``j`` lands a whole run of prefill blocks
     contiguously at ``j/k`` of the decode run, giving ``[k][run][n heads]``; one swap of the first
     two axes gives ``[run][k][n heads]``. Descriptors scale with runs x pulls instead of blocks x
-    pulls, at the cost of one local permutation.
+    pulls, at the cost of one local permutation. With large blocks (``block_reads_from_bytes``)
+    the per-block reads are cheaper than that permutation, and are used instead.
   - token-major: per-token descriptors would be blocks x tokens x pulls tiny reads, so pull ``j``
     lands whole prefill blocks (or runs) contiguously and one swap turns ``[k][tokens][n heads]``
     into ``[tokens][k][n heads]``.
@@ -64,6 +65,10 @@ class StagingArea:
 class PlanOptions:
     max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
     coalesce_runs: bool = True
+    # Head-major merges read block by block, needing no fix-up, when each prefill block is at
+    # least this many bytes (0: never). Per-block descriptors then cost less than the local
+    # permutation that run-level coalescing needs afterwards.
+    block_reads_from_bytes: int = 0
     staging: StagingArea | None = None
     # Split descriptors longer than this (0: never). Mooncake's TCP transport moves ~1 MiB
     # descriptors faster than much larger ones; RDMA slices large descriptors itself.
@@ -337,7 +342,12 @@ def plan_request(
         all_dense = local.layout.dense and all(r.layout.dense for r in peers)
         head_major = effective_order(local.layout, peers[0].layout) is BlockOrder.HEAD_MAJOR
         if kind == _MoveKind.MERGE:
-            region_runs = runs if all_dense and options.coalesce_runs else runs.split_blocks()
+            coalesce = options.coalesce_runs and not (
+                head_major
+                and options.block_reads_from_bytes
+                and peers[0].layout.block_len >= options.block_reads_from_bytes
+            )
+            region_runs = runs if all_dense and coalesce else runs.split_blocks()
             for pull, remote in zip(pulls, peers, strict=True):
                 _add_merge(per_peer[pull.prefill_rank], local, remote, region_runs, pull)
             fixups.extend(_merge_fixups(local, peers[0].layout, region_runs, num_pulls, head_major))

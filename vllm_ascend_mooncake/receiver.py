@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 class ReceiverOptions:
     max_descriptors_per_batch: int = 1024
     coalesce_runs: bool = True
+    block_reads_from_bytes: int = 0
     max_descriptor_bytes: int = 0
     num_threads: int = 4
     requests_per_turn: int = 4
@@ -234,6 +235,7 @@ class Receiver:
                 PlanOptions(
                     max_descriptors_per_batch=self._options.max_descriptors_per_batch,
                     coalesce_runs=self._options.coalesce_runs,
+                    block_reads_from_bytes=self._options.block_reads_from_bytes,
                     staging=staging,
                     max_descriptor_bytes=self._options.max_descriptor_bytes,
                 ),

@@ -137,6 +137,7 @@ class ConnectorWorker:
                 ReceiverOptions(
                     max_descriptors_per_batch=config.max_descriptors_per_batch,
                     coalesce_runs=config.coalesce_runs,
+                    block_reads_from_bytes=config.block_reads_from_kib * 1024,
                     max_descriptor_bytes=config.max_descriptor_kib << 10,
                     num_threads=config.receiver_threads,
                     claim_wait_s=config.claim_wait_s,

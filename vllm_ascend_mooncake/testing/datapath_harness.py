@@ -44,6 +44,7 @@ class CaseSpec:
     release_timeout_s: float = 60.0
     max_descriptors_per_batch: int = 1024
     coalesce_runs: bool = True
+    block_reads_from_bytes: int = 0
     staging_bytes: int = 1 << 20
     max_descriptor_bytes: int = 0
     # Benchmarks: skip the reference fill and byte checks; reserve a buffer for ceiling reads.
@@ -127,10 +128,10 @@ def free_port_base(count: int) -> int:
 
 
 class _WorkerState:
-    def __init__(self) -> None:
+    def __init__(self, read_wait: str | None = None) -> None:
         from ..engine import MooncakeEngine
 
-        self.engine = MooncakeEngine("127.0.0.1", "tcp")
+        self.engine = MooncakeEngine("127.0.0.1", "tcp", read_wait=read_wait)
         self.case: CaseSpec | None = None
         self.rank = -1
         self.tensors: list = []
@@ -313,6 +314,7 @@ class _WorkerState:
             ReceiverOptions(
                 max_descriptors_per_batch=case.max_descriptors_per_batch,
                 coalesce_runs=case.coalesce_runs,
+                block_reads_from_bytes=case.block_reads_from_bytes,
                 max_descriptor_bytes=case.max_descriptor_bytes,
             ),
             StagingPool([StagingArea(staging_tensor.data_ptr(), case.staging_bytes)]),
@@ -435,7 +437,7 @@ class _WorkerState:
         self.tensors, self.memory_arrays = [], []
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, read_wait: str | None) -> None:
     state = None
     while True:
         command, args = conn.recv()
@@ -444,7 +446,7 @@ def _worker_main(conn) -> None:
             return
         try:
             if state is None:
-                state = _WorkerState()
+                state = _WorkerState(read_wait)
             result = getattr(state, command)(*args)
             conn.send(("ok", result))
         except Exception:
@@ -454,10 +456,11 @@ def _worker_main(conn) -> None:
 class WorkerProcess:
     """A handle on one worker process; calls are synchronous RPCs over a pipe."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, read_wait: str | None = None) -> None:
+        """``read_wait``: how this worker's reads wait (the connector's default when None)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, read_wait), daemon=True)
         self.process.start()
 
     def send(self, command: str, *args) -> None:
