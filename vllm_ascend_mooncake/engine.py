@@ -211,7 +211,9 @@ class MooncakeEngine:
 
         A failed descriptor does not end the wait: every other one is waited for too, so that no
         byte lands in local memory after this call has reported the read failed (the caller then
-        hands those blocks back to vLLM, which may recompute into them).
+        hands those blocks back to vLLM, which may recompute into them). Only a read that outlives
+        the timeout returns with descriptors in flight: Mooncake cannot cancel them, and their
+        batches are left allocated rather than freed under the transport's feet.
         """
         total = int(sum(lengths))
         deadline = time.monotonic() + transfer_timeout_s() + total * 1e-9
