@@ -5,13 +5,12 @@ what was attempted, with which peer, and what to check. Read calls take *local f
 ``(peer, local_addrs, remote_addrs, lengths)``.
 
 How a read waits matters on small hosts. ``batch_transfer_sync_read`` waits by spinning on the batch
-status without ever sleeping: one busy core per read in flight. On a 2-core machine two decode
-ranks reading at once took both cores from the prefill's TCP threads that were serving them, the
-transfers made no progress for Mooncake's 30 s timeout, and ZMQ and vLLM threads of every process
-starved with them. The ``poll`` wait submits each descriptor as its own asynchronous batch and
-checks them with ``transfer_check_status`` (which, unlike the batch calls, returns at once),
-sleeping between rounds. It is the default over TCP; other transports keep Mooncake's own
-``sync`` wait, which is what they were measured with upstream.
+status without ever sleeping: one busy core per read in flight, taken from the TCP threads that
+move the bytes (a TP 2 decode's receiver thread on 2 cores had burned 75 s of CPU). The ``poll``
+wait submits each descriptor as its own asynchronous batch and checks them with
+``transfer_check_status`` (which, unlike the batch calls, returns at once), sleeping between
+rounds; ``benchmarks/bench_read_wait.py`` measures both. It is the default over TCP; other
+transports keep Mooncake's own ``sync`` wait, which is what they were measured with upstream.
 """
 
 from __future__ import annotations
