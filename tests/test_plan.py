@@ -331,8 +331,9 @@ def test_worked_example_h2_tp4_td1_two_replicas() -> None:
     assert len(ranks) == 2 and ranks[0] in (0, 1) and ranks[1] in (2, 3)
 
 
-def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
-    sc = Scenario(
+def merge_one_run_scenario() -> Scenario:
+    """TP 4 -> 1 head-major merge of one 32-block run (3 layers, 2 heads per prefill rank)."""
+    return Scenario(
         heads=8,
         prefill_tp=4,
         decode_tp=1,
@@ -345,6 +346,10 @@ def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
         remote_ids=list(range(0, 32)),
         local_ids=list(range(8, 40)),
     )
+
+
+def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
+    sc = merge_one_run_scenario()
     coalesced = run_scenario(sc, 0)
     sc.coalesce_runs = False
     per_block = run_scenario(sc, 0)
@@ -357,19 +362,7 @@ def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
 def test_large_head_major_blocks_are_read_block_by_block() -> None:
     """From ``block_reads_from_bytes`` on, a head-major merge skips run-level coalescing and its
     fix-up; below it, and for token-major blocks, runs stay coalesced."""
-    sc = Scenario(
-        heads=8,
-        prefill_tp=4,
-        decode_tp=1,
-        kind="fused_head_major",
-        num_layers=3,
-        tokens=2,
-        head_token_bytes=2,
-        remote_blocks=40,
-        local_blocks=40,
-        remote_ids=list(range(0, 32)),
-        local_ids=list(range(8, 40)),
-    )
+    sc = merge_one_run_scenario()
     prefill_block = 2 * 2 * 2  # 2 heads per prefill rank x 2 tokens x 2 bytes
     sc.block_reads_from_bytes = prefill_block
     per_block = run_scenario(sc, 0)

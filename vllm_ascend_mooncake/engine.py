@@ -124,6 +124,7 @@ class MooncakeEngine:
         self.protocol = protocol
         self.device_type = device_type
         self.read_wait = read_wait
+        self._timeout_s = transfer_timeout_s()  # Mooncake reads MC_TRANSFER_TIMEOUT once, too
         self.session = session_name(hostname, self._engine.get_rpc_port())
         self._registered: list[MemoryRange] = []
         self._lock = threading.Lock()
@@ -177,34 +178,22 @@ class MooncakeEngine:
         """Copy ``lengths[i]`` bytes at peer ``remote_addrs[i]`` into local ``local_addrs[i]``."""
         if not len(lengths):
             return
-        if self.read_wait == "sync":
-            self._read_sync(peer_session, local_addrs, remote_addrs, lengths)
-        else:
-            self._read_polled(peer_session, local_addrs, remote_addrs, lengths)
+        wait = self._read_sync if self.read_wait == "sync" else self._read_polled
+        wait(peer_session, list(local_addrs), list(remote_addrs), list(lengths))
 
     def _read_sync(
-        self,
-        peer_session: str,
-        local_addrs: Sequence[int],
-        remote_addrs: Sequence[int],
-        lengths: Sequence[int],
+        self, peer: str, local: list[int], remote: list[int], lengths: list[int]
     ) -> None:
-        rc = self._engine.batch_transfer_sync_read(
-            peer_session, list(local_addrs), list(remote_addrs), list(lengths)
-        )
+        rc = self._engine.batch_transfer_sync_read(peer, local, remote, lengths)
         if rc != 0:
             raise TransferError(
-                f"Mooncake batch_transfer_sync_read from {peer_session} of {len(lengths)} "
+                f"Mooncake batch_transfer_sync_read from {peer} of {len(lengths)} "
                 f"descriptor(s), {int(sum(lengths))} B, returned {rc}: the peer is unreachable, "
                 f"restarted, or the addresses are no longer registered"
             )
 
     def _read_polled(
-        self,
-        peer_session: str,
-        local_addrs: Sequence[int],
-        remote_addrs: Sequence[int],
-        lengths: Sequence[int],
+        self, peer: str, local: list[int], remote: list[int], lengths: list[int]
     ) -> None:
         """One asynchronous batch per descriptor, checked without spinning.
 
@@ -215,12 +204,12 @@ class MooncakeEngine:
         batches are left allocated rather than freed under the transport's feet.
         """
         total = int(sum(lengths))
-        deadline = time.monotonic() + transfer_timeout_s() + total * 1e-9
+        deadline = time.monotonic() + self._timeout_s + total * 1e-9
         pending: list[int] = []
         rejected = 0
-        for local, remote, length in zip(local_addrs, remote_addrs, lengths, strict=True):
+        for local_addr, remote_addr, length in zip(local, remote, lengths, strict=True):
             batch_id = self._engine.batch_transfer_async_read(
-                peer_session, [local], [remote], [length]
+                peer, [local_addr], [remote_addr], [length]
             )
             if batch_id == 0:  # Mooncake's failure value: batch ids are unsigned
                 rejected += 1
@@ -244,8 +233,8 @@ class MooncakeEngine:
                 break
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"Mooncake read from {peer_session} of {len(lengths)} descriptor(s), {total} "
-                    f"B, did not finish within {transfer_timeout_s():.0f} s (MC_TRANSFER_TIMEOUT): "
+                    f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} "
+                    f"B, did not finish within {self._timeout_s:.0f} s (MC_TRANSFER_TIMEOUT): "
                     f"{len(pending)} descriptor(s) still in flight; the peer is stalled or "
                     f"overloaded"
                 )
@@ -253,7 +242,7 @@ class MooncakeEngine:
             sleep_s = min(sleep_s * 2, POLL_MAX_SLEEP_S)
         if failed or timed_out or rejected:
             raise TransferError(
-                f"Mooncake read from {peer_session} of {len(lengths)} descriptor(s), {total} B: "
+                f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} B: "
                 f"{failed} failed, {timed_out} timed out in the transport"
                 + (f", {rejected} refused at submission" if rejected else "")
                 + (f", {not_submitted} not submitted" if not_submitted else "")
