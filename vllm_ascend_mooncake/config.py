@@ -51,6 +51,7 @@ class ConnectorConfig:
     release_timeout_s: float
     side_channel_timeout_s: float
     claim_wait_s: float
+    prefill_wait_s: float
     read_retries: int
     max_descriptors_per_batch: int
     max_descriptor_kib: int
@@ -91,6 +92,7 @@ _KEYS = {
     "release_timeout_s": "prefill releases blocks nobody read after this many seconds",
     "side_channel_timeout_s": "timeout of one side-channel exchange",
     "claim_wait_s": "how long decode waits for prefill to register a request before reading",
+    "prefill_wait_s": "how long decode waits for a prefill it was sent alongside to finish",
     "read_retries": "extra attempts for a failed batched read",
     "max_descriptors_per_batch": "cap on descriptors per transfer call",
     "max_descriptor_kib": "split larger descriptors (0: never; default 1024 on tcp, else 0)",
@@ -214,6 +216,7 @@ def parse_config(
             extra, "side_channel_timeout_s", float, DEFAULT_SIDE_CHANNEL_TIMEOUT_S
         ),
         claim_wait_s=_expect(extra, "claim_wait_s", float, 10.0),
+        prefill_wait_s=_expect(extra, "prefill_wait_s", float, 120.0),
         read_retries=_expect(extra, "read_retries", int, 1),
         max_descriptors_per_batch=_expect(
             extra, "max_descriptors_per_batch", int, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
@@ -242,6 +245,7 @@ def parse_config(
         "release_timeout_s",
         "side_channel_timeout_s",
         "claim_wait_s",
+        "prefill_wait_s",
         "max_descriptors_per_batch",
         "receiver_threads",
         "staging_buffer_mib",

@@ -4,6 +4,12 @@ Prefill returns :class:`RemotePrefill` in its response; the proxy copies it into
 request. The decode side never trusts it: wrong types, out-of-range values, oversized block lists
 or a mismatch with the decode's own prompt are rejected with a reason, and the request is then
 served by a local prefill instead of reading garbage.
+
+Overlapped legs: a proxy that already knows a prefill instance's address may send both legs at
+once. It gives prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode the prefill's
+address with ``remote_request_id`` T and no block ids (:data:`TRANSFER_ID_KEY`). Decode then
+admits the request at once and learns the block ids from prefill's read lease, when prefill is
+done; prefill checks the prompt length there.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from typing import Any
 import msgspec
 
 MAX_REMOTE_BLOCKS = 1 << 20
+#: On a prefill request: the id the decode side will claim the prompt's KV under.
+TRANSFER_ID_KEY = "transfer_id"
+MAX_TRANSFER_ID_CHARS = 256
 
 
 class InvalidTransferParams(ValueError):
@@ -26,14 +35,27 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     remote_request_id: str
     remote_host: str
     remote_port: int
-    remote_block_ids: list[int]
     remote_tp_size: int
-    remote_num_tokens: int
+    #: None: prefill is still computing; its read lease will carry the block ids.
+    remote_block_ids: list[int] | None = None
+    remote_num_tokens: int | None = None
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+    @property
+    def blocks_known(self) -> bool:
+        return self.remote_block_ids is not None
+
+
+def transfer_id_of(params: dict[str, Any], default: str) -> str:
+    """The id a prefill request's KV is claimed under: the proxy's ``transfer_id``, if valid."""
+    transfer_id = params.get(TRANSFER_ID_KEY)
+    if isinstance(transfer_id, str) and 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
+        return transfer_id
+    return default
 
 
 def parse_remote_prefill(
@@ -55,6 +77,8 @@ def parse_remote_prefill(
             f"the prefill instance runs TP {parsed.remote_tp_size} but this decode instance is "
             f"configured for prefill TP {prefill_tp}"
         )
+    if parsed.remote_block_ids is None:
+        return parsed  # overlapped legs: prefill checks the prompt when decode claims the read
     if parsed.remote_num_tokens != num_prompt_tokens:
         raise InvalidTransferParams(
             f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "

@@ -1,4 +1,4 @@
-"""The unit of work between the decode scheduler, its workers and their receivers."""
+"""The units of work the scheduler hands its workers: pulls (decode) and holds (prefill)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,29 @@ class PullRequest:
     """Pull ``remote_block_ids`` (their suffix, when decode already caches a prefix) of a
     prefill instance into this decode instance's ``local_block_ids``.
 
-    ``transfer_id`` is the prefill's request id: both sides derive the replica choice from it and
-    prefill tracks reads under it. ``remote_port`` is the side channel of prefill TP rank 0; rank
-    ``r`` listens on ``remote_port + r``.
+    ``transfer_id`` is the id prefill holds the KV under (its request id, or the proxy's transfer
+    id when the legs overlap): both sides derive the replica choice from it and prefill tracks
+    reads under it. ``remote_block_ids`` is None when prefill had not answered yet: its read
+    lease then carries them, and ``num_prompt_tokens`` lets prefill check the prompts match.
+    ``remote_port`` is the side channel of prefill TP rank 0; rank ``r`` listens on
+    ``remote_port + r``.
     """
 
     request_id: str
     transfer_id: str
     local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...] | None
     remote_host: str
     remote_port: int
     remote_engine_id: str | None = None
+    num_prompt_tokens: int = -1
+
+
+@dataclass(frozen=True)
+class HoldRequest:
+    """Keep a finished prefill request's prompt blocks until its readers are done."""
+
+    request_id: str  # vLLM's id, reported back when the blocks may be freed
+    transfer_id: str  # what decode claims and reports reads under
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int

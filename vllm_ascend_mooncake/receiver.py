@@ -7,6 +7,10 @@ split at the descriptor cap. The fix-up runs only once every pull of the request
 partially read request is never fixed up or reported loaded. Each peer read gets a read-done
 notification (success or not) so the prefill side can free its blocks; :mod:`.notifier` sends it
 off the read path.
+
+A pull admitted before prefill finished (overlapped legs) has no remote block ids yet: its claims
+wait, polling with a short growing interval, for up to ``prefill_wait_s``, and the grant carries
+the block ids. Every prefill rank must report the same ones.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class ReceiverOptions:
     num_threads: int = 4
     requests_per_turn: int = 4
     claim_wait_s: float = 10.0  # how long a "pending" prefill (request not registered yet) is asked
+    prefill_wait_s: float = 120.0  # the same, for a pull admitted before prefill finished
+    claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
     read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
@@ -107,6 +113,24 @@ class _InFlight:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _agreed_block_ids(
+    pull: PullRequest, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
+) -> tuple[int, ...]:
+    """The prefill block ids a grant names, checked against the other ranks' and the prompt."""
+    block_ids = tuple(granted.block_ids)
+    if so_far is not None and block_ids != so_far:
+        raise RuntimeError(
+            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
+            f"another rank in {list(so_far)[:8]}...: the ranks disagree"
+        )
+    if granted.num_prompt_tokens != pull.num_prompt_tokens or not block_ids:
+        raise RuntimeError(
+            f"prefill computed {granted.num_prompt_tokens} prompt tokens in {len(block_ids)} "
+            f"blocks, the decode request has {pull.num_prompt_tokens} tokens"
+        )
+    return block_ids
+
+
 class Receiver:
     """Pulls requests' KV into this decode worker's cache."""
 
@@ -134,9 +158,10 @@ class Receiver:
         self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
         # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
         # so that it can neither block the reads that free staging buffers nor queue behind a
-        # dead peer's timeouts on one thread.
+        # dead peer's timeouts on one thread. Pulls admitted before their prefill finished wait
+        # there for its lease (mostly asleep), hence more threads than for reads.
         self._prepare_pool = ThreadPoolExecutor(
-            self._options.num_threads, thread_name_prefix="vam-prepare"
+            4 * self._options.num_threads, thread_name_prefix="vam-prepare"
         )
         self._lanes: dict[str, FifoLane] = {}  # by prefill transfer-engine session
         self._notifier = ReadDoneNotifier(
@@ -213,9 +238,12 @@ class Receiver:
             meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
             remote_tables[rank] = meta.to_regions()
             peers[rank] = _Peer(rank, pull.remote_host, port, meta.te_session, meta.incarnation)
+        remote_block_ids = pull.remote_block_ids
         if pull.local_block_ids:
             for peer in peers.values():
-                self._claim(pull, peer)
+                granted = self._claim(pull, peer)
+                if pull.remote_block_ids is None:
+                    remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
         staging = None
         if pull.local_block_ids and self._needs_staging(
             pulls[0].num_heads, remote_tables[pulls[0].prefill_rank]
@@ -231,7 +259,7 @@ class Receiver:
                 self._local_regions,
                 remote_tables,
                 pull.local_block_ids,
-                pull.remote_block_ids,
+                remote_block_ids or (),
                 PlanOptions(
                     max_descriptors_per_batch=self._options.max_descriptors_per_batch,
                     coalesce_runs=self._options.coalesce_runs,
@@ -251,10 +279,13 @@ class Receiver:
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
 
-    def _claim(self, pull: PullRequest, peer: _Peer) -> None:
+    def _claim(self, pull: PullRequest, peer: _Peer) -> ClaimReply:
         """Obtain (or renew) the peer's read lease; raises if it refuses or never registers."""
-        deadline = time.monotonic() + self._options.claim_wait_s
-        message = ClaimRead(pull.transfer_id, self._rank, peer.incarnation)
+        options = self._options
+        early = pull.remote_block_ids is None  # admitted before prefill finished
+        deadline = time.monotonic() + (options.prefill_wait_s if early else options.claim_wait_s)
+        poll_s, longest_poll_s = options.claim_poll_s
+        message = ClaimRead(pull.transfer_id, self._rank, peer.incarnation, pull.num_prompt_tokens)
         while True:
             sent_at = time.monotonic()
             try:
@@ -266,13 +297,14 @@ class Receiver:
                 raise RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
             if reply.status == "granted":
                 peer.claimed_at, peer.lease_s = sent_at, reply.lease_s
-                return
+                return reply
             if reply.status != "pending" or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
                     f"{reply.reason}"
                 )
-            time.sleep(0.05)
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, longest_poll_s)
 
     def _lane(self, session: str) -> FifoLane:
         with self._lock:

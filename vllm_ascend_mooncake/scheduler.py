@@ -5,6 +5,11 @@ asynchronously; the pull (decode blocks <- prefill blocks, suffix-aligned when t
 already caches a prefix) goes to the workers in the next step's metadata. Prefill: a request that
 finishes its single token keeps its blocks (delayed free) until every decode rank that reads them
 reports done; its response carries the params the proxy forwards to decode.
+
+When the proxy overlaps the legs, decode admits a request before prefill has answered: it knows
+how many prompt blocks to allocate from its own prompt, and the pull learns the prefill's block ids
+from the read lease. A prefill request that was given a transfer id but ends without a hand-off
+is dropped, so the decode waiting for it is refused at once.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .log import get_logger
-from .params import InvalidTransferParams, RemotePrefill, parse_remote_prefill
-from .pull import PullRequest
+from .params import InvalidTransferParams, RemotePrefill, parse_remote_prefill, transfer_id_of
+from .pull import HoldRequest, PullRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -29,7 +34,8 @@ class StepOrders:
     """What the scheduler asks the workers to do this step (carried by the step metadata)."""
 
     pulls: list[PullRequest] = field(default_factory=list)
-    holds: list[str] = field(default_factory=list)
+    holds: list[HoldRequest] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # transfer ids prefill will never hand off
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -99,19 +105,21 @@ class ConnectorScheduler:
             cached_blocks = (
                 request.num_prompt_tokens - num_external_tokens
             ) // self.config.block_size
-            needed = len(remote.remote_block_ids) - cached_blocks
-            local = blocks.get_unhashed_block_ids()[:needed]
-        self._orders.pulls.append(self._pull_order(request.request_id, remote, local))
+            prompt_blocks = _cdiv(request.num_prompt_tokens, self.config.block_size)
+            local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
+        self._orders.pulls.append(self._pull_order(request, remote, local))
 
-    def _pull_order(self, request_id: str, remote: RemotePrefill, local: list[int]) -> PullRequest:
+    def _pull_order(self, request: Request, remote: RemotePrefill, local: list[int]) -> PullRequest:
+        blocks = remote.remote_block_ids
         return PullRequest(
-            request_id=request_id,
+            request_id=request.request_id,
             transfer_id=remote.remote_request_id,
             local_block_ids=tuple(local),
-            remote_block_ids=tuple(remote.remote_block_ids),
+            remote_block_ids=None if blocks is None else tuple(blocks),
             remote_host=remote.remote_host,
             remote_port=remote.remote_port,
             remote_engine_id=remote.remote_engine_id,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     # -- both ----------------------------------------------------------------------------------
@@ -132,24 +140,30 @@ class ConnectorScheduler:
             remote = self._remote.pop(request.request_id, None) or self._try_parse(request)
             params["do_remote_prefill"] = False
             if remote is not None:
-                self._orders.pulls.append(self._pull_order(request.request_id, remote, []))
+                self._orders.pulls.append(self._pull_order(request, remote, []))
             return False, None
         if not params.get("do_remote_decode") or not self.config.is_producer:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (
+        transfer_id = transfer_id_of(params, request.request_id)
+        prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
+        handed_off = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
-        ):
-            return False, None  # aborted or errored: nobody will read it
-        prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
-        if not prompt_blocks:
+        )
+        if not handed_off or not prompt_blocks:  # aborted or errored: nobody will read it
+            if transfer_id != request.request_id:
+                self._orders.drops.append(transfer_id)  # a decode may already be waiting
             return False, None
-        self._orders.holds.append(request.request_id)
+        self._orders.holds.append(
+            HoldRequest(
+                request.request_id, transfer_id, tuple(prompt_blocks), request.num_prompt_tokens
+            )
+        )
         return True, RemotePrefill(
             remote_engine_id=self.config.engine_id,
-            remote_request_id=request.request_id,
+            remote_request_id=transfer_id,
             remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_base_port(),
             remote_block_ids=list(prompt_blocks),

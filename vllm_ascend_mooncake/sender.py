@@ -8,6 +8,12 @@ of the request (the decode side can be faster than this worker's next step), so 
 kept until the request shows up. A request nobody finishes reading is released when its deadline
 (``release_timeout_s`` after it was held, or the end of the latest lease) passes. Each request is
 reported finished exactly once.
+
+Requests are tracked under their transfer id (vLLM's request id unless the proxy overlapped the
+legs and chose one). A claim that arrives before prefill is done is answered "pending"; the grant
+carries the prompt's block ids, which is how a decode that was admitted early learns them. A
+prefill request that ends without a hand-off (aborted) is dropped, so its claims are refused at
+once instead of waiting for a prefill that will never come.
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ MEMORY_TIMEOUTS = 2
 
 @dataclass
 class _Held:
+    request_id: str
     readers_left: set[int]
     deadline: float
+    block_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = -1
     failed_readers: set[int] = field(default_factory=set)
 
 
@@ -62,7 +71,8 @@ class SendTracker:
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._early: dict[str, tuple[set[int], float]] = {}
-        self._released: dict[str, float] = {}  # request id -> forget after
+        # transfer id -> (vLLM request id, forget after); "" for a dropped request
+        self._released: dict[str, tuple[str, float]] = {}
         self._finished: set[str] = set()
         self.num_expired = 0
         self._expired_reported = 0
@@ -71,76 +81,124 @@ class SendTracker:
     def lease_s(self) -> float:
         return self._timeout
 
-    def hold(self, request_id: str) -> None:
+    def hold(
+        self,
+        transfer_id: str,
+        *,
+        request_id: str | None = None,
+        block_ids: tuple[int, ...] = (),
+        num_prompt_tokens: int = -1,
+    ) -> None:
         """Start holding a request's blocks until its readers are done (or time runs out)."""
-        readers = set(self._topology.readers_of(self._rank, request_seed(request_id)))
+        request_id = transfer_id if request_id is None else request_id
+        readers = set(self._topology.readers_of(self._rank, request_seed(transfer_id)))
         with self._lock:
-            if request_id in self._held or request_id in self._released:
+            held = self._held.get(transfer_id)
+            owner = held.request_id if held is not None else None
+            if transfer_id in self._released:
+                owner = self._released[transfer_id][0]
+            if owner is not None:
+                if owner != request_id:
+                    # A reused transfer id: decode could not tell the two apart, so nobody
+                    # reads this one; free it now rather than hold it until the deadline.
+                    logger.warning(
+                        "request %s reuses transfer id %s; its KV is not handed off",
+                        request_id,
+                        transfer_id,
+                    )
+                    self._finished.add(request_id)
                 return
-            early, _ = self._early.pop(request_id, (set(), 0.0))
+            early, _ = self._early.pop(transfer_id, (set(), 0.0))
             readers -= early
             if not readers:
-                self._release(request_id)
+                self._release(transfer_id, request_id)
                 return
-            self._held[request_id] = _Held(readers, self._clock() + self._timeout)
+            self._held[transfer_id] = _Held(
+                request_id,
+                readers,
+                self._clock() + self._timeout,
+                tuple(block_ids),
+                num_prompt_tokens,
+            )
 
-    def claim(self, request_id: str, decode_rank: int) -> ClaimReply:
-        """Grant (or renew) a read lease, or say why not."""
+    def drop(self, transfer_id: str) -> None:
+        """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
+        with self._lock:
+            if transfer_id not in self._held:
+                self._early.pop(transfer_id, None)
+                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+                self._released.setdefault(transfer_id, ("", forget))
+
+    def claim(self, transfer_id: str, decode_rank: int, num_prompt_tokens: int = -1) -> ClaimReply:
+        """Grant (or renew) a read lease with the prompt's block ids, or say why not."""
         now = self._clock()
         with self._lock:
-            held = self._held.get(request_id)
+            held = self._held.get(transfer_id)
             if held is not None:
                 if decode_rank not in held.readers_left:
                     return ClaimReply(
                         "refused", reason=f"decode rank {decode_rank} is not a reader"
                     )
+                known = num_prompt_tokens >= 0 and held.num_prompt_tokens >= 0
+                if known and num_prompt_tokens != held.num_prompt_tokens:
+                    return ClaimReply(
+                        "refused",
+                        reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
+                        f"decode request has {num_prompt_tokens}: the prompts differ",
+                    )
                 held.deadline = max(held.deadline, now + self._timeout)
-                return ClaimReply("granted", lease_s=self._timeout)
-            if request_id in self._released:
-                return ClaimReply("refused", reason="its blocks were already released")
-            return ClaimReply("pending", reason="not registered on this worker yet")
+                return ClaimReply(
+                    "granted",
+                    lease_s=self._timeout,
+                    block_ids=list(held.block_ids),
+                    num_prompt_tokens=held.num_prompt_tokens,
+                )
+            if transfer_id in self._released:
+                return ClaimReply(
+                    "refused", reason="its blocks were already released (or prefill failed)"
+                )
+            return ClaimReply("pending", reason="prefill has not finished it yet")
 
-    def read_done(self, request_id: str, decode_rank: int, success: bool) -> None:
+    def read_done(self, transfer_id: str, decode_rank: int, success: bool) -> None:
         with self._lock:
-            held = self._held.get(request_id)
+            held = self._held.get(transfer_id)
             if held is None:
-                if request_id not in self._released:
+                if transfer_id not in self._released:
                     forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                    early, _ = self._early.setdefault(request_id, (set(), forget))
+                    early, _ = self._early.setdefault(transfer_id, (set(), forget))
                     early.add(decode_rank)
                 return
             held.readers_left.discard(decode_rank)
             if not success:
                 held.failed_readers.add(decode_rank)
             if not held.readers_left:
-                del self._held[request_id]
-                self._release(request_id)
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id)
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, transfer_id: str, request_id: str) -> None:
         """Report the request finished (caller holds the lock) and refuse later claims."""
         self._finished.add(request_id)
-        self._released[request_id] = self._clock() + MEMORY_TIMEOUTS * self._timeout
+        self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
 
     def take_finished(self) -> set[str]:
         """Requests whose blocks can be freed now; expires overdue ones first."""
         now = self._clock()
         with self._lock:
-            for request_id, held in list(self._held.items()):
+            for transfer_id, held in list(self._held.items()):
                 if held.deadline <= now:
-                    del self._held[request_id]
-                    self._release(request_id)
+                    del self._held[transfer_id]
+                    self._release(transfer_id, held.request_id)
                     self.num_expired += 1
                     logger.warning(
                         "released KV blocks of request %s after its deadline: decode rank(s) %s "
                         "never finished reading",
-                        request_id,
+                        held.request_id,
                         sorted(held.readers_left),
                     )
             for memory in (self._early, self._released):
-                for request_id, entry in list(memory.items()):
-                    forget_at = entry[1] if isinstance(entry, tuple) else entry
+                for transfer_id, (_, forget_at) in list(memory.items()):
                     if forget_at <= now:
-                        del memory[request_id]
+                        del memory[transfer_id]
             finished, self._finished = self._finished, set()
         return finished
 
@@ -180,7 +238,7 @@ class PrefillSender:
             return self.metadata
         if isinstance(message, ClaimRead):
             return self._stale(message.incarnation) or self.tracker.claim(
-                message.request_id, message.decode_rank
+                message.request_id, message.decode_rank, message.num_prompt_tokens
             )
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)

@@ -7,8 +7,9 @@ misreading fields. Decoding never trusts the peer: malformed bytes raise :class:
 Flow (decode pulls):
 1. decode -> prefill ``GetMetadata``; reply ``WorkerMetadata`` (cached by decode per peer).
 2. decode -> prefill ``ClaimRead``; reply ``ClaimReply``: a lease during which prefill will not
-   release the request's blocks (renewed by claiming again). A request already released is
-   refused, so a late read can never see reused blocks.
+   release the request's blocks (renewed by claiming again), with the prompt's block ids. A
+   request prefill has not finished yet is "pending" (decode asks again); one already released
+   is refused, so a late read can never see reused blocks.
 3. decode reads prefill memory with the transfer engine, and discards the bytes if the read
    ended after its lease.
 4. decode -> prefill ``ReadDone`` (success or failure); reply ``Ack``.
@@ -20,7 +21,7 @@ import msgspec
 
 from .layout import BlockOrder, LayoutError, Region, RegionLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 << 20
 
 
@@ -110,21 +111,27 @@ class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True):
 
 
 class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
-    """Before reading (and to renew): may this decode rank read the request's blocks now?"""
+    """Before reading (and to renew): may this decode rank read the request's blocks now?
+
+    ``num_prompt_tokens`` (-1: unchecked) is the decode request's prompt length, which prefill
+    compares with its own."""
 
     request_id: str
     decode_rank: int
     incarnation: str
+    num_prompt_tokens: int = -1
 
 
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
     """``granted``: read within ``lease_s`` seconds of sending the claim; ``pending``: the
     request is not registered yet, ask again shortly; ``refused``: never read it (released,
-    restarted, or not a reader)."""
+    restarted, not a reader, or another prompt). A grant carries the prompt's block ids."""
 
     status: str
     lease_s: float = 0.0
     reason: str = ""
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    num_prompt_tokens: int = -1
 
 
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):

@@ -141,6 +141,7 @@ class ConnectorWorker:
                     max_descriptor_bytes=config.max_descriptor_kib << 10,
                     num_threads=config.receiver_threads,
                     claim_wait_s=config.claim_wait_s,
+                    prefill_wait_s=config.prefill_wait_s,
                     read_retries=config.read_retries,
                 ),
                 staging,
@@ -180,8 +181,16 @@ class ConnectorWorker:
 
     def start_load_kv(self, orders: StepOrders) -> None:
         if self.sender is not None:
-            for request_id in orders.holds:
-                self.sender.tracker.hold(request_id)
+            tracker = self.sender.tracker
+            for transfer_id in orders.drops:
+                tracker.drop(transfer_id)
+            for held in orders.holds:
+                tracker.hold(
+                    held.transfer_id,
+                    request_id=held.request_id,
+                    block_ids=held.block_ids,
+                    num_prompt_tokens=held.num_prompt_tokens,
+                )
         if self.receiver is not None:
             for pull in orders.pulls:
                 self.receiver.submit(pull)

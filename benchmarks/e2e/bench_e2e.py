@@ -38,6 +38,7 @@ from .cpu_usage import cpu_seconds_between, group_cpu_seconds, idle_cores
 from .load_generator import CellResult, probe_token_ids, run_cell
 from .prompts import make_prompt, regular_token_ids
 from .report import (
+    DEFAULT_SYSTEMS,
     SYSTEM_ORDER,
     CellSummary,
     latency_table,
@@ -134,8 +135,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         type=_system_list,
-        default=list(SYSTEM_ORDER),
-        help=f"comma-separated, run in this order; subset of {','.join(SYSTEM_ORDER)}",
+        default=list(DEFAULT_SYSTEMS),
+        help=f"comma-separated, run in this order; subset of {','.join(SYSTEM_ORDER)} "
+        f"(default {','.join(DEFAULT_SYSTEMS)}; ours_serial is our proxy with --serial-legs)",
     )
     parser.add_argument("--prompt-lens", type=_int_list, default=[64, 256], help="tokens")
     parser.add_argument(
@@ -204,6 +206,14 @@ def _factories(
         "colocated": lambda: ColocatedSystem(settings, args.colocated_tp, log_dir),
         "ours": lambda: OursSystem(
             settings, args.prefill_tp, args.decode_tp, log_dir, args.kv_hold_timeout_s
+        ),
+        "ours_serial": lambda: OursSystem(
+            settings,
+            args.prefill_tp,
+            args.decode_tp,
+            log_dir,
+            args.kv_hold_timeout_s,
+            serial_legs=True,
         ),
         "vllm_mooncake": lambda: VllmMooncakeSystem(
             settings, args.prefill_tp, args.decode_tp, log_dir, args.kv_hold_timeout_s

@@ -17,7 +17,9 @@ from .load_generator import CellResult
 from .sse_timing import StreamTiming
 
 #: Systems in report order; ratios are "ours vs vllm_mooncake" and "x vs colocated".
-SYSTEM_ORDER = ("colocated", "ours", "vllm_mooncake")
+#: ``ours_serial`` (our proxy with ``--serial-legs``) runs only when asked for.
+SYSTEM_ORDER = ("colocated", "ours", "ours_serial", "vllm_mooncake")
+DEFAULT_SYSTEMS = ("colocated", "ours", "vllm_mooncake")
 RATIO_METRICS = (
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -31,6 +33,8 @@ RATIO_METRICS = (
 MIN_RATIO_DENOMINATOR_MS = 1.0
 RATIO_PAIRS = (
     ("ours", "vllm_mooncake"),
+    ("ours", "ours_serial"),
+    ("ours_serial", "vllm_mooncake"),
     ("ours", "colocated"),
     ("vllm_mooncake", "colocated"),
 )

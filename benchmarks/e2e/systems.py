@@ -2,7 +2,8 @@
 
 * ``colocated``: one ``vllm serve`` instance, no connector (the reference);
 * ``ours``: prefill + decode with ``MooncakeHeteroConnector`` and ``vllm_ascend_mooncake.proxy``,
-  through :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment`;
+  through :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment`; ``ours_serial`` is
+  the same with the proxy's ``--serial-legs`` (decode is sent only after prefill answered);
 * ``vllm_mooncake``: prefill + decode with vLLM's in-tree ``MooncakeConnector`` (TCP) and
   :mod:`benchmarks.e2e.mooncake_proxy`, with the CPU workaround of :mod:`cpu_accelerator_shim`.
 
@@ -188,10 +189,12 @@ class OursSystem(BenchSystem):
         decode_tp: int,
         log_dir: Path,
         kv_hold_timeout_s: int,
+        serial_legs: bool = False,
     ) -> None:
+        self.name = "ours_serial" if serial_legs else "ours"
         self.description = (
             f"MooncakeHeteroConnector P/D, prefill TP {prefill_tp} -> decode TP {decode_tp}, "
-            "vllm_ascend_mooncake.proxy"
+            f"vllm_ascend_mooncake.proxy{' --serial-legs' if serial_legs else ''}"
         )
         self.deployment = LocalDeployment(
             DeploymentSpec(
@@ -203,8 +206,9 @@ class OursSystem(BenchSystem):
                 max_model_len=settings.max_model_len,
                 # How long P keeps a request's KV for D (vLLM's connector: abort timeout).
                 release_timeout_s=float(kv_hold_timeout_s),
-                log_dir=str(log_dir / "ours"),
+                log_dir=str(log_dir / self.name),
                 extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
+                proxy_args=("--serial-legs",) if serial_legs else (),
             )
         )
         self.url = self.deployment.proxy_url

@@ -9,6 +9,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_ascend_mooncake.config import parse_config
+from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
+from vllm_ascend_mooncake.pull import HoldRequest
 from vllm_ascend_mooncake.scheduler import ConnectorScheduler
 
 BLOCK = 32
@@ -46,8 +48,22 @@ def prefill_params(num_tokens: int) -> dict:
     req = request("p-1", num_tokens, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = p.request_finished(req, [7, 8, 9, 10, 11])
-    assert delay and p.build_step_orders().holds == ["p-1"]
+    (held,) = p.build_step_orders().holds
+    assert delay and (held.request_id, held.transfer_id) == ("p-1", "p-1")
+    assert held.num_prompt_tokens == num_tokens
     return params
+
+
+def overlapped_params(transfer_id: str = "t-1") -> dict:
+    """What the proxy gives decode when it sends both legs at once: no block ids yet."""
+    return {
+        "do_remote_prefill": True,
+        "remote_request_id": transfer_id,
+        "remote_engine_id": "engine-p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 40000,
+        "remote_tp_size": 2,
+    }
 
 
 def test_prefill_holds_prompt_blocks_and_returns_params() -> None:
@@ -68,7 +84,36 @@ def test_prefill_frees_aborted_requests_at_once(status) -> None:
     req = request("p-2", 40, {"do_remote_decode": True})
     req.status = status
     assert p.request_finished(req, [1, 2]) == (False, None)
-    assert p.build_step_orders().holds == []
+    orders = p.build_step_orders()
+    assert orders.holds == [] and orders.drops == []
+
+
+def test_prefill_holds_under_the_proxys_transfer_id() -> None:
+    p = scheduler("kv_producer")
+    req = request("p-6", 70, {"do_remote_decode": True, "transfer_id": "t-6"})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.request_finished(req, [7, 8, 9, 10])
+    assert delay and params["remote_request_id"] == "t-6"
+    assert p.build_step_orders().holds == [HoldRequest("p-6", "t-6", (7, 8, 9), 70)]
+
+
+@pytest.mark.parametrize("transfer_id", ["", 7, "x" * (MAX_TRANSFER_ID_CHARS + 1)])
+def test_prefill_ignores_unusable_transfer_ids(transfer_id) -> None:
+    p = scheduler("kv_producer")
+    req = request("p-7", 40, {"do_remote_decode": True, "transfer_id": transfer_id})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(req, [1, 2])
+    assert params["remote_request_id"] == "p-7"
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
+def test_prefill_drops_an_aborted_transfer_so_the_waiting_decode_is_refused(status) -> None:
+    p = scheduler("kv_producer")
+    req = request("p-8", 40, {"do_remote_decode": True, "transfer_id": "t-8"})
+    req.status = status
+    assert p.request_finished(req, [1, 2]) == (False, None)
+    orders = p.build_step_orders()
+    assert orders.holds == [] and orders.drops == ["t-8"]
 
 
 def test_prefill_hands_off_when_its_token_is_eos() -> None:
@@ -90,6 +135,25 @@ def test_decode_pulls_uncached_blocks_once() -> None:
     assert pull.transfer_id == "p-1" and pull.remote_port == 40000
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # never twice
     assert d.build_step_orders().pulls == []
+
+
+def test_decode_admitted_before_prefill_pulls_without_block_ids() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-6", 70, overlapped_params())
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 70)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.remote_block_ids is None and pull.local_block_ids == (4, 5, 6)
+    assert (pull.transfer_id, pull.num_prompt_tokens) == ("t-1", 70)
+
+
+def test_decode_admitted_before_prefill_with_a_prefix_hit_pulls_the_suffix() -> None:
+    d = scheduler("kv_consumer")
+    req = request("d-7", 70, overlapped_params())
+    assert d.get_num_new_matched_tokens(req, 32) == (38, True)
+    d.update_state_after_alloc(req, blocks([5, 6]), 38)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == (5, 6) and pull.remote_block_ids is None
 
 
 def test_decode_prefix_hit_reads_the_suffix_only() -> None:

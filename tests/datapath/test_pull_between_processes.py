@@ -71,6 +71,7 @@ def make_requests(case: CaseSpec, rng: random.Random, count: int) -> list[Reques
                 transfer_id=f"{case.name}-req-{i}-{rng.random()}",
                 local_block_ids=tuple(local),
                 remote_block_ids=tuple(remote),
+                early=i % 2 == 1,
             )
         )
     return requests
@@ -87,14 +88,16 @@ def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
         half = len(transfer_ids) // 2
         # Half the requests are held before decode pulls, half only once decode already asks
         # for them (decode's read claims are answered "pending" until then, and read-done
-        # notifications of requests with nothing to read arrive before the hold).
+        # notifications of requests with nothing to read arrive before the hold). Odd requests
+        # are pulled "early", as when the proxy overlaps the legs: decode learns the prefill
+        # block ids from the read lease.
         for rank in range(case.prefill_tp):
-            prefill[rank].call("hold", transfer_ids[:half])
+            prefill[rank].call("hold", requests[:half])
         for rank in range(case.decode_tp):
             decode[rank].send("pull", requests, 120.0)
         time.sleep(0.3)
         for rank in range(case.prefill_tp):
-            prefill[rank].call("hold", transfer_ids[half:])
+            prefill[rank].call("hold", requests[half:])
         outcomes = [decode[rank].receive(180) for rank in range(case.decode_tp)]
         finished = [
             prefill[rank].call("collect_finished", transfer_ids, 30.0)
@@ -183,3 +186,44 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
     finally:
         for worker in [*prefill, decode]:
             worker.close()
+
+
+def test_early_pulls_fail_fast_when_prefill_drops_them_or_computed_another_prompt(workers):
+    """Decode admitted before prefill finished: a prefill that aborts the request refuses the
+    claim at once (rather than after ``prefill_wait_s``), and one that computed a prompt of
+    another length refuses too; decode writes nothing either way, and pulls correctly after."""
+    case = CaseSpec(
+        name="early-refusals",
+        heads=4,
+        prefill_tp=2,
+        decode_tp=1,
+        layout="vllm_head_major",
+        base_port=free_port_base(2),
+    )
+    dropped = RequestSpec("dropped", "t-dropped", (0, 1), (3, 4), early=True)
+    other_prompt = RequestSpec("other", "t-other", (2, 3), (5, 6), early=True)
+    fine = RequestSpec("fine", "t-fine", (4, 5), (7, 8), early=True)
+    prefill, decode = workers
+    for rank in range(2):
+        prefill[rank].call("setup_prefill", case, rank)
+    decode[0].call("setup_decode", case, 0)
+    try:
+        decode[0].send("pull", [dropped, other_prompt, fine], 60.0)
+        time.sleep(0.3)
+        longer = RequestSpec("other", "t-other", (2, 3), (5, 6, 9), early=True)
+        for rank in range(2):
+            prefill[rank].call("drop", [dropped.transfer_id])
+            prefill[rank].call("hold", [longer, fine])
+        outcome = decode[0].receive(120)
+        expected = [fine.transfer_id, other_prompt.transfer_id]
+        finished = [prefill[rank].call("collect_finished", expected, 30.0) for rank in range(2)]
+    finally:
+        for rank in range(2):
+            prefill[rank].call("teardown")
+        decode[0].call("teardown")
+    assert outcome.done == ["fine"] and outcome.wrong_requests == {}
+    assert "prefill failed" in outcome.failed["dropped"]
+    assert "prompts differ" in outcome.failed["other"]
+    assert outcome.stray_bytes == 0
+    for report in finished:  # the refused reader's notice frees the mismatched hold at once
+        assert report["counts"] == {"t-fine": 1, "t-other": 1} and report["expired"] == 0

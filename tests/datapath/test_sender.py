@@ -84,3 +84,45 @@ def test_memory_of_released_and_early_ids_is_bounded_in_time() -> None:
     clock.now = 10.0
     t.take_finished()
     assert t._early == {} and t._released == {}
+
+
+def test_a_claim_before_prefill_is_done_waits_then_gets_the_block_ids() -> None:
+    t, _, _ = tracker()
+    assert t.claim("t", 0, num_prompt_tokens=70).status == "pending"
+    t.hold("t", request_id="vllm-1", block_ids=(7, 8, 9), num_prompt_tokens=70)
+    reply = t.claim("t", 0, num_prompt_tokens=70)
+    assert (reply.status, reply.block_ids, reply.num_prompt_tokens) == ("granted", [7, 8, 9], 70)
+    t.read_done("t", 0, True)
+    t.read_done("t", 1, True)
+    assert t.take_finished() == {"vllm-1"}  # reported under vLLM's id, not the transfer id
+
+
+def test_a_claim_for_another_prompt_is_refused() -> None:
+    t, _, _ = tracker()
+    t.hold("t", request_id="vllm-1", block_ids=(7, 8, 9), num_prompt_tokens=70)
+    refused = t.claim("t", 0, num_prompt_tokens=71)
+    assert refused.status == "refused" and "prompts differ" in refused.reason
+
+
+def test_a_dropped_transfer_is_refused_at_once_and_never_reported() -> None:
+    t, _, _ = tracker()
+    assert t.claim("t", 0).status == "pending"
+    t.drop("t")
+    refused = t.claim("t", 0)
+    assert refused.status == "refused" and "prefill failed" in refused.reason
+    t.read_done("t", 0, False)  # the refused decode's notice
+    assert t.take_finished() == set()
+
+
+def test_a_reused_transfer_id_frees_the_second_request_at_once() -> None:
+    t, _, _ = tracker()
+    t.hold("t", request_id="vllm-1", block_ids=(1,), num_prompt_tokens=10)
+    t.hold("t", request_id="vllm-1", block_ids=(1,), num_prompt_tokens=10)  # repeated order
+    t.hold("t", request_id="vllm-2", block_ids=(2,), num_prompt_tokens=10)
+    assert t.take_finished() == {"vllm-2"}
+    assert t.claim("t", 0).block_ids == [1]  # the first keeps its hand-off
+    t.read_done("t", 0, True)
+    t.read_done("t", 1, True)
+    assert t.take_finished() == {"vllm-1"}
+    t.hold("t", request_id="vllm-1")  # a stale order after release
+    assert t.take_finished() == set()

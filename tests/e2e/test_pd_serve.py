@@ -4,7 +4,8 @@ Greedy, float32: tokens and top-5 logprobs through P/D must equal those of one c
 instance, for prefill->decode TP 1->1, 2->1 (decode merges the KV heads of two prefill ranks) and
 1->2 (each decode rank reads a head slice of the prefill rank). The model has 2 KV heads so both
 the merge and the slice run. A negative control proves the decode really generates from the
-transferred KV: fed another prompt's KV, it continues that other prompt.
+transferred KV: fed another prompt's KV, it continues that other prompt, also when decode was
+admitted before prefill ran (the proxy's overlapped legs: the block ids come with the lease).
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ def test_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_path)
 def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_path) -> None:
     """Decode gets prompt X with the KV of prompt Y (same length): it must continue Y.
 
-    If the decode instance silently recomputed the prompt, it would answer X instead.
+    If the decode instance silently recomputed the prompt, it would answer X instead. Checked
+    with serial legs (decode gets prefill's block ids) and overlapped ones (decode is admitted
+    first and learns the block ids from prefill's read lease once prefill is done).
     """
     name = reference["name"]
     spec = DeploymentSpec(
@@ -190,8 +193,9 @@ def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_p
         y = list(x)
         y[4] = 3 + (y[4] + 1) % 400  # one early token differs; same length
         colocated_x = complete(pd.prefill.base_url, name, x)
-        for _attempt in range(3):
-            failed_before = pd.transfer_totals()["failed"]
+        colocated_y = complete(pd.prefill.base_url, name, y)
+
+        def serial(attempt: int) -> dict:
             prefill = httpx.post(
                 f"{pd.prefill.base_url}/v1/completions",
                 json={
@@ -203,20 +207,65 @@ def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_p
                 },
                 timeout=TIMEOUT,
             ).json()
-            decoded = complete(
+            address.update(
+                (key, prefill["kv_transfer_params"][key])
+                for key in ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size")
+            )
+            return complete(
                 pd.decode.base_url,
                 name,
                 x,
                 kv_transfer_params=prefill["kv_transfer_params"],
-                cache_salt=f"attempt-{_attempt}",  # never served from a recomputed X
+                cache_salt=f"serial-{attempt}",  # never served from a recomputed X
             )
-            time.sleep(2)  # metrics are logged every second
-            if pd.transfer_totals()["failed"] == failed_before:
-                break
-            # The pull timed out while the VM stalled and decode recomputed X: try again.
-        else:
-            pytest.fail("every pull of the negative control failed")
-        colocated_y = complete(pd.prefill.base_url, name, y)
-    assert len(decoded["choices"][0]["token_ids"]) == MAX_TOKENS
-    assert summary(decoded)[0] != summary(colocated_x)[0]
-    assert summary(decoded)[0] == summary(colocated_y)[0]
+
+        def overlapped(attempt: int) -> dict:
+            transfer_id = f"negative-control-{attempt}"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                decoding = pool.submit(
+                    complete,
+                    pd.decode.base_url,
+                    name,
+                    x,
+                    kv_transfer_params={
+                        "do_remote_prefill": True,
+                        "remote_request_id": transfer_id,
+                        **address,
+                    },
+                    cache_salt=f"overlapped-{attempt}",
+                )
+                time.sleep(1.0)  # decode admits the request and waits for the prefill
+                prefill = httpx.post(
+                    f"{pd.prefill.base_url}/v1/completions",
+                    json={
+                        "model": name,
+                        "prompt": y,
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "cache_salt": f"overlapped-{attempt}",
+                        "kv_transfer_params": {
+                            "do_remote_decode": True,
+                            "transfer_id": transfer_id,
+                        },
+                    },
+                    timeout=TIMEOUT,
+                )
+                assert prefill.status_code == 200, prefill.text
+                return decoding.result()
+
+        address: dict = {}
+        outputs = {}
+        for kind, run in (("serial", serial), ("overlapped", overlapped)):
+            for attempt in range(3):
+                failed_before = pd.transfer_totals()["failed"]
+                outputs[kind] = run(attempt)
+                time.sleep(2)  # metrics are logged every second
+                if pd.transfer_totals()["failed"] == failed_before:
+                    break
+                # The pull timed out while the VM stalled and decode recomputed X: try again.
+            else:
+                pytest.fail(f"every {kind} pull of the negative control failed")
+    for kind, decoded in outputs.items():
+        assert len(decoded["choices"][0]["token_ids"]) == MAX_TOKENS, kind
+        assert summary(decoded)[0] != summary(colocated_x)[0], kind
+        assert summary(decoded)[0] == summary(colocated_y)[0], kind

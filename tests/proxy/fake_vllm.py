@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ class ReceivedRequest:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -48,6 +50,9 @@ class FakeVllm:
             "remote_host": "127.0.0.1",
             "remote_port": 5555,
         }
+        #: Answer like the connector's prefill: the full address, held under the request's
+        #: ``transfer_id`` when it has one (so the proxy may overlap later requests' legs).
+        self.hands_off_like_the_connector = False
         #: ``(status, body bytes, content type)`` to answer every generation request with.
         self.canned_answer: tuple[int, bytes, str] | None = None
         self.health_status = 200
@@ -72,14 +77,31 @@ class FakeVllm:
         events.append(b"data: [DONE]\n\n")
         return events
 
-    def completion(self, path: str) -> dict[str, Any]:
+    def connector_params(self, request_body: dict[str, Any]) -> dict[str, Any]:
+        """What the connector's prefill answers a request with."""
+        asked = request_body.get("kv_transfer_params") or {}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.name}",
+            "remote_request_id": asked.get("transfer_id", f"{self.name}-request"),
+            "remote_host": "127.0.0.1",
+            "remote_port": 5555,
+            "remote_tp_size": 1,
+            "remote_block_ids": [3, 1, 4],
+            "remote_num_tokens": 70,
+        }
+
+    def completion(self, path: str, request_body: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON this instance answers a non-streamed request to ``path`` with."""
         if path == "/v1/chat/completions":
             choice = {"index": 0, "message": {"role": "assistant", "content": self.name}}
         else:
             choice = {"index": 0, "text": self.name}
         answer: dict[str, Any] = {"id": f"{self.name}-completion", "choices": [choice]}
-        if self.kv_transfer_params is not OMIT:
+        if self.hands_off_like_the_connector:
+            answer["kv_transfer_params"] = self.connector_params(request_body or {})
+        elif self.kv_transfer_params is not OMIT:
             answer["kv_transfer_params"] = self.kv_transfer_params
         return answer
 
@@ -100,7 +122,7 @@ class FakeVllm:
                 return StreamingResponse(
                     self._stream(request.url.path), media_type="text/event-stream"
                 )
-            return JSONResponse(self.completion(request.url.path))
+            return JSONResponse(self.completion(request.url.path, body))
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
         app.add_api_route("/v1/chat/completions", generate, methods=["POST"])

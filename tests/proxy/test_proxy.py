@@ -524,3 +524,124 @@ def test_cli_serves_the_proxy(fleet: Fleet) -> None:
     assert health.status_code == 200
     assert completion.status_code == 200
     assert json.loads(completion.content) == fleet.decode_a.completion(COMPLETIONS)
+
+
+def overlapped_decode_params(fleet: Fleet, prefill_body: dict[str, Any]) -> dict[str, Any]:
+    """What decode must get when the legs overlap: the prefill's address, no block ids."""
+    return {
+        "do_remote_prefill": True,
+        "remote_request_id": prefill_body["kv_transfer_params"]["transfer_id"],
+        "remote_engine_id": "engine-prefill-a",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5555,
+        "remote_tp_size": 1,
+    }
+
+
+def test_once_prefill_answered_later_requests_send_both_legs_at_once(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    fleet.prefill_a.hands_off_like_the_connector = True
+    assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    fleet.prefill_a.delay_s = 0.5  # decode must be asked while prefill still computes
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 200
+    assert response.json() == fleet.decode_a.completion(COMPLETIONS)
+    first_prefill, second_prefill = fleet.prefill_a.generation_requests()
+    first_decode, second_decode = fleet.decode_a.generation_requests()
+    assert first_decode.body["kv_transfer_params"]["remote_block_ids"] == [3, 1, 4]  # serial
+    assert "transfer_id" not in first_prefill.body["kv_transfer_params"]
+    assert second_prefill.body["kv_transfer_params"] == {
+        **PREFILL_KV_TRANSFER_PARAMS,
+        "transfer_id": second_prefill.body["kv_transfer_params"]["transfer_id"],
+    }
+    assert second_decode.body == {
+        **CLIENT_BODIES[COMPLETIONS],
+        "kv_transfer_params": overlapped_decode_params(fleet, second_prefill.body),
+    }
+    assert second_decode.at < second_prefill.at + fleet.prefill_a.delay_s
+
+
+def test_transfer_ids_differ_even_for_one_client_request_id(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    fleet.prefill_a.hands_off_like_the_connector = True
+    for _ in range(3):
+        response = proxy.post(
+            COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS], headers={"X-Request-Id": "same"}
+        )
+        assert response.status_code == 200
+    transfer_ids = [
+        r.body["kv_transfer_params"].get("transfer_id")
+        for r in fleet.prefill_a.generation_requests()
+    ]
+    assert transfer_ids[0] is None and len(set(transfer_ids[1:])) == 2
+    assert all(t.startswith("same-") for t in transfer_ids[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_overlapped_prefill_error_reaches_the_client_and_abandons_the_decode(
+    fleet: Fleet, proxy: httpx.Client, stream: bool
+) -> None:
+    fleet.prefill_a.hands_off_like_the_connector = True
+    assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    fleet.prefill_a.canned_answer = (503, b"engine is overloaded", "text/plain")
+    fleet.prefill_a.delay_s = 0.3
+    fleet.decode_a.delay_s = 3.0  # still waiting for the KV when prefill fails
+
+    response = proxy.post(COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": stream})
+
+    assert (response.status_code, response.content) == (503, b"engine is overloaded")
+    assert len(fleet.decode_a.generation_requests()) == 2  # it had been asked, then dropped
+    health = proxy.get("/health").json()
+    assert [report["in_flight"] for report in health["prefill"] + health["decode"]] == [0, 0]
+
+
+def test_serial_legs_when_overlap_is_off(fleet: Fleet, start_proxy: StartProxy) -> None:
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a)], overlap_legs=False
+    )
+    fleet.prefill_a.hands_off_like_the_connector = True
+    for _ in range(2):
+        assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    for request in fleet.decode_a.generation_requests():
+        assert request.body["kv_transfer_params"]["remote_block_ids"] == [3, 1, 4]
+
+
+def test_a_prefill_that_ignores_the_transfer_id_gets_a_serial_decode_leg(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    fleet.prefill_a.hands_off_like_the_connector = True
+    assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    own_id = fleet.prefill_a.connector_params({})  # e.g. an older connector version
+    fleet.prefill_a.connector_params = lambda body: own_id  # type: ignore[method-assign]
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 200
+    _, overlapped, resent = fleet.decode_a.generation_requests()
+    assert "remote_block_ids" not in overlapped.body["kv_transfer_params"]
+    assert resent.body["kv_transfer_params"] == own_id
+    health = proxy.get("/health").json()
+    assert [report["in_flight"] for report in health["decode"]] == [0]
+
+
+def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    gone = FakeVllm("prefill-gone")
+    gone.hands_off_like_the_connector = True
+    with serve_on_loopback(gone.app()) as url:
+        proxy = start_proxy([url], [fleet.url(fleet.decode_a)])
+        assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    fleet.decode_a.delay_s = 2.0  # would still wait for the KV
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 502  # the serial retry found no prefill either
+    assert "no prefill instance accepted a connection" in response.json()["error"]["message"]
+    assert len(gone.generation_requests()) == 1
+    health = proxy.get("/health").json()
+    assert [report["in_flight"] for report in health["decode"]] == [0]

@@ -46,6 +46,7 @@ class DeploymentSpec:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    proxy_args: tuple[str, ...] = ()  # e.g. ("--serial-legs",)
 
 
 def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) -> dict[str, Any]:
@@ -149,6 +150,7 @@ class LocalDeployment:
                     self.prefill.base_url,
                     "--decode",
                     self.decode.base_url,
+                    *self.spec.proxy_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

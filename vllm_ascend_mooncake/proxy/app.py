@@ -1,10 +1,16 @@
-"""The proxy's HTTP app: each completion request runs on a prefill instance, then on a decode one.
+"""The proxy's HTTP app: each completion request runs on a prefill instance and a decode one.
 
 Clients see one OpenAI-compatible server. For every request the proxy asks a prefill instance for
 one token with ``do_remote_decode`` (so it keeps the prompt's KV cache), then sends the client's
 request with the prefill's ``kv_transfer_params`` to a decode instance, which pulls that cache
 over Mooncake instead of recomputing it, and relays the decode's answer. Upstream answers that
 are errors reach the client unchanged, so it sees what vLLM said, not the proxy's paraphrase.
+
+Once a prefill instance has answered once, the proxy knows where its KV can be read and, unless
+``overlap_legs`` is off, sends later requests' two legs at the same time: decode admits the
+request while prefill computes it and pulls as soon as prefill is done, which saves a round trip
+and decode's admission from the time to first token. If the prefill leg fails, the decode leg is
+abandoned (vLLM aborts it) and the client gets the prefill's answer, as with serial legs.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from .payloads import (
     InvalidPrefillResponse,
     decode_body,
     kv_transfer_params_from_prefill,
+    overlapped_decode_params,
+    overlapped_prefill_body,
+    prefill_address,
     prefill_body,
 )
 
@@ -135,12 +144,20 @@ class DisaggregatingProxy:
     """Routes requests over the prefill and decode instances through one shared HTTP client."""
 
     def __init__(
-        self, client: httpx.AsyncClient, prefill: Balancer, decode: Balancer, timeout_s: float
+        self,
+        client: httpx.AsyncClient,
+        prefill: Balancer,
+        decode: Balancer,
+        timeout_s: float,
+        overlap_legs: bool = True,
     ) -> None:
         self.client = client
         self.prefill = prefill
         self.decode = decode
         self.timeout_s = timeout_s
+        self.overlap_legs = overlap_legs
+        #: prefill base URL -> where its KV can be read, learned from its latest answer
+        self.prefill_addresses: dict[str, dict[str, Any]] = {}
 
     async def open(
         self,
@@ -158,14 +175,9 @@ class DisaggregatingProxy:
         """
         attempts = []
         for upstream in balancer.ranked():
-            balancer.acquire(upstream)
-            request = self.client.build_request(
-                method, f"{upstream.url}{path}", headers=headers, json=json_body
-            )
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self.open_on(balancer, upstream, method, path, headers, json_body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                balancer.release(upstream)
                 attempts.append(f"{upstream.url} ({type(error).__name__}: {error})")
                 logger.warning(
                     "%s instance %s refused %s %s (%s); trying the next one",
@@ -176,11 +188,39 @@ class DisaggregatingProxy:
                     error,
                 )
                 continue
-            except BaseException:
-                balancer.release(upstream)
-                raise
             return upstream, response
         raise UpstreamUnreachable(balancer.role, path, attempts)
+
+    async def open_on(
+        self,
+        balancer: Balancer,
+        upstream: Upstream,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        json_body: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """Send to one instance, counted busy until released; the body is left unread."""
+        balancer.acquire(upstream)
+        request = self.client.build_request(
+            method, f"{upstream.url}{path}", headers=headers, json=json_body
+        )
+        try:
+            return await self.client.send(request, stream=True)
+        except BaseException:
+            balancer.release(upstream)
+            raise
+
+    async def read_all(
+        self, balancer: Balancer, upstream: Upstream, response: httpx.Response
+    ) -> httpx.Response:
+        """Read an opened response to the end and release its instance."""
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+            balancer.release(upstream)
+        return response
 
     async def fetch(
         self,
@@ -192,12 +232,7 @@ class DisaggregatingProxy:
     ) -> tuple[Upstream, httpx.Response]:
         """Like :meth:`open`, but read the whole body and release the instance."""
         upstream, response = await self.open(balancer, method, path, headers, json_body)
-        try:
-            await response.aread()
-        finally:
-            await response.aclose()
-            balancer.release(upstream)
-        return upstream, response
+        return upstream, await self.read_all(balancer, upstream, response)
 
     async def relay(
         self, balancer: Balancer, upstream: Upstream, response: httpx.Response, request_id: str
@@ -205,12 +240,7 @@ class DisaggregatingProxy:
         """Give an opened upstream response to the client: event streams chunk by chunk."""
         is_event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         if not (response.is_success and is_event_stream):
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
-                balancer.release(upstream)
-            return _passthrough(response, request_id)
+            return _passthrough(await self.read_all(balancer, upstream, response), request_id)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -234,7 +264,7 @@ class DisaggregatingProxy:
         )
 
     async def generate(self, request: Request, path: str) -> Response:
-        """Run one completion request through prefill, then decode."""
+        """Run one completion request through prefill and decode."""
         try:
             client_body = json.loads(await request.body())
         except ValueError as error:
@@ -248,46 +278,165 @@ class DisaggregatingProxy:
                 headers[name] = request.headers[name]
 
         try:
-            prefill_upstream, prefill_response = await self.fetch(
-                self.prefill, "POST", path, headers, prefill_body(client_body)
-            )
-            if not prefill_response.is_success:
-                logger.warning(
-                    "request %s: prefill %s answered %d; passing it to the client",
-                    request_id,
-                    prefill_upstream.url,
-                    prefill_response.status_code,
-                )
-                return _passthrough(prefill_response, request_id)
-            try:
-                kv_transfer_params = kv_transfer_params_from_prefill(prefill_response.content)
-            except InvalidPrefillResponse as error:
-                return error_response(
-                    502,
-                    f"prefill instance {prefill_upstream.url} answered {path} with a response "
-                    f"the proxy cannot pass to a decode instance: {error}",
-                    "BadGatewayError",
-                )
-            if kv_transfer_params is None:
-                logger.warning(
-                    "request %s: prefill %s returned no kv_transfer_params; the decode instance "
-                    "will recompute the prompt",
-                    request_id,
-                    prefill_upstream.url,
-                )
-            decode_upstream, decode_response = await self.open(
-                self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
-            )
-            logger.debug(
-                "request %s: %s prefilled on %s, decoding on %s",
-                request_id,
-                path,
-                prefill_upstream.url,
-                decode_upstream.url,
-            )
-            return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+            if self.overlap_legs:
+                prefill_upstream = self.prefill.ranked()[0]
+                address = self.prefill_addresses.get(prefill_upstream.url)
+                if address is not None:
+                    overlapped = await self._overlapped(
+                        prefill_upstream, address, path, headers, client_body, request_id
+                    )
+                    if overlapped is not None:
+                        return overlapped
+            return await self._serial(path, headers, client_body, request_id)
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
+
+    def _prefill_params(
+        self, upstream: Upstream, response: httpx.Response
+    ) -> dict[str, Any] | None:
+        """A successful prefill answer's ``kv_transfer_params``; remembers where its KV lives."""
+        kv_transfer_params = kv_transfer_params_from_prefill(response.content)
+        address = prefill_address(kv_transfer_params)
+        if address is None:
+            self.prefill_addresses.pop(upstream.url, None)
+        elif self.prefill_addresses.get(upstream.url) != address:
+            logger.info("prefill %s serves its KV cache from %s", upstream.url, address)
+            self.prefill_addresses[upstream.url] = address
+        return kv_transfer_params
+
+    def _invalid_prefill(self, upstream: Upstream, path: str, error: Exception) -> JSONResponse:
+        return error_response(
+            502,
+            f"prefill instance {upstream.url} answered {path} with a response the proxy cannot "
+            f"pass to a decode instance: {error}",
+            "BadGatewayError",
+        )
+
+    async def _serial(
+        self, path: str, headers: dict[str, str], client_body: dict[str, Any], request_id: str
+    ) -> Response:
+        """Prefill first; then decode, with the block ids prefill answered."""
+        prefill_upstream, prefill_response = await self.fetch(
+            self.prefill, "POST", path, headers, prefill_body(client_body)
+        )
+        if not prefill_response.is_success:
+            logger.warning(
+                "request %s: prefill %s answered %d; passing it to the client",
+                request_id,
+                prefill_upstream.url,
+                prefill_response.status_code,
+            )
+            return _passthrough(prefill_response, request_id)
+        try:
+            kv_transfer_params = self._prefill_params(prefill_upstream, prefill_response)
+        except InvalidPrefillResponse as error:
+            return self._invalid_prefill(prefill_upstream, path, error)
+        if kv_transfer_params is None:
+            logger.warning(
+                "request %s: prefill %s returned no kv_transfer_params; the decode instance "
+                "will recompute the prompt",
+                request_id,
+                prefill_upstream.url,
+            )
+        decode_upstream, decode_response = await self.open(
+            self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+        )
+        logger.debug(
+            "request %s: %s prefilled on %s, decoding on %s",
+            request_id,
+            path,
+            prefill_upstream.url,
+            decode_upstream.url,
+        )
+        return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+
+    async def _overlapped(
+        self,
+        prefill_upstream: Upstream,
+        address: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        client_body: dict[str, Any],
+        request_id: str,
+    ) -> Response | None:
+        """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
+        transfer_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        decode_params = overlapped_decode_params(address, transfer_id)
+        decode_leg = asyncio.create_task(
+            self.open(self.decode, "POST", path, headers, decode_body(client_body, decode_params))
+        )
+        try:
+            prefill_response = await self.open_on(
+                self.prefill,
+                prefill_upstream,
+                "POST",
+                path,
+                headers,
+                overlapped_prefill_body(client_body, transfer_id),
+            )
+            await self.read_all(self.prefill, prefill_upstream, prefill_response)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            await self._abandon(decode_leg)
+            self.prefill_addresses.pop(prefill_upstream.url, None)
+            logger.warning(
+                "request %s: prefill %s refused the connection (%s); going serial",
+                request_id,
+                prefill_upstream.url,
+                error,
+            )
+            return None
+        except BaseException:
+            await self._abandon(decode_leg)
+            raise
+        if not prefill_response.is_success:
+            await self._abandon(decode_leg)
+            logger.warning(
+                "request %s: prefill %s answered %d; passing it to the client",
+                request_id,
+                prefill_upstream.url,
+                prefill_response.status_code,
+            )
+            return _passthrough(prefill_response, request_id)
+        try:
+            kv_transfer_params = self._prefill_params(prefill_upstream, prefill_response)
+        except InvalidPrefillResponse as error:
+            await self._abandon(decode_leg)
+            return self._invalid_prefill(prefill_upstream, path, error)
+        if (kv_transfer_params or {}).get("remote_request_id") != transfer_id:
+            # This prefill did not hold the KV under our id: decode would wait for it in vain.
+            await self._abandon(decode_leg)
+            logger.warning(
+                "request %s: prefill %s did not hold the KV under transfer id %s; sending the "
+                "decode leg again with what it returned",
+                request_id,
+                prefill_upstream.url,
+                transfer_id,
+            )
+            decode_leg = asyncio.create_task(
+                self.open(
+                    self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+                )
+            )
+        decode_upstream, decode_response = await decode_leg
+        logger.debug(
+            "request %s: %s prefilled on %s alongside decode on %s (transfer %s)",
+            request_id,
+            path,
+            prefill_upstream.url,
+            decode_upstream.url,
+            transfer_id,
+        )
+        return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+
+    async def _abandon(self, decode_leg: asyncio.Task) -> None:
+        """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""
+        decode_leg.cancel()
+        await asyncio.wait([decode_leg])
+        if decode_leg.cancelled() or decode_leg.exception() is not None:
+            return
+        upstream, response = decode_leg.result()
+        await response.aclose()
+        self.decode.release(upstream)
 
     async def models(self) -> Response:
         """Return a decode instance's ``/v1/models`` (every instance serves the same model)."""
@@ -332,6 +481,7 @@ def create_app(
     decode_urls: Sequence[str],
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    overlap_legs: bool = True,
 ) -> FastAPI:
     """Build the proxy app for the given prefill and decode instances (base URLs)."""
     if timeout_s <= 0:
@@ -349,7 +499,7 @@ def create_app(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         ) as client:
-            app.state.proxy = DisaggregatingProxy(client, prefill, decode, timeout_s)
+            app.state.proxy = DisaggregatingProxy(client, prefill, decode, timeout_s, overlap_legs)
             logger.info(
                 "proxying to prefill %s and decode %s",
                 [upstream.url for upstream in prefill.upstreams],

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help="seconds to wait for an upstream (per read); default %(default)g",
     )
+    parser.add_argument(
+        "--serial-legs",
+        action="store_true",
+        help="send the decode leg only after prefill answered, never both at once (overlapped "
+        "legs, the default once a prefill instance has answered, save a round trip)",
+    )
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
     return parser
 
@@ -74,7 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        app = create_app(args.prefill, args.decode, timeout_s=args.timeout_s)
+        app = create_app(
+            args.prefill,
+            args.decode,
+            timeout_s=args.timeout_s,
+            overlap_legs=not args.serial_legs,
+        )
     except ValueError as error:
         logging.getLogger(__name__).error("%s", error)
         return 2

@@ -4,6 +4,10 @@ The connector reads ``kv_transfer_params`` from the request: on the prefill inst
 ``do_remote_decode`` makes it keep the prompt's KV cache for a decode instance to pull, and the
 prefill's response carries the parameters (engine id, block ids, address) that the decode
 instance needs to pull it.
+
+Overlapped legs: once the proxy knows a prefill instance's address (from an earlier response), it
+can send both legs at once. Prefill gets a ``transfer_id``; decode gets the prefill's address
+and that id instead of block ids, and learns the block ids from prefill when it is done.
 """
 
 from __future__ import annotations
@@ -38,6 +42,40 @@ def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
         body["max_completion_tokens"] = 1
     body["stream"] = False
     return body
+
+
+#: The keys of a prefill's ``kv_transfer_params`` that say where its KV can be read (and types).
+PREFILL_ADDRESS_KEYS = {
+    "remote_engine_id": str,
+    "remote_host": str,
+    "remote_port": int,
+    "remote_tp_size": int,
+}
+
+
+def prefill_address(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Where a prefill instance's KV can be read, from its response; None if it does not say."""
+    if not kv_transfer_params:
+        return None
+    address = {}
+    for key, kind in PREFILL_ADDRESS_KEYS.items():
+        value = kv_transfer_params.get(key)
+        if type(value) is not kind:  # bool is an int, but never a port or a TP size
+            return None
+        address[key] = value
+    return address
+
+
+def overlapped_prefill_body(client_body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg of overlapped legs: :func:`prefill_body`, holding the KV under an id."""
+    body = prefill_body(client_body)
+    body["kv_transfer_params"]["transfer_id"] = transfer_id
+    return body
+
+
+def overlapped_decode_params(address: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The decode leg's ``kv_transfer_params`` when prefill has not answered yet."""
+    return {"do_remote_prefill": True, "remote_request_id": transfer_id, **address}
 
 
 def decode_body(

@@ -89,6 +89,13 @@ class RequestSpec:
     transfer_id: str
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+    #: decode was admitted before prefill finished: it learns the block ids from the read lease
+    early: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """A prompt length both sides agree on (the harness moves whole blocks)."""
+        return 1000 + len(self.remote_block_ids)
 
 
 @dataclass
@@ -258,9 +265,22 @@ class _WorkerState:
         self.finished_counts = {}
         return self.engine.session
 
-    def hold(self, transfer_ids: list[str]) -> None:
+    def hold(self, requests: list[RequestSpec | str]) -> None:
+        """Prefill is done with these requests (transfer ids alone: block ids unknown)."""
+        for spec in requests:
+            if isinstance(spec, str):
+                self.sender.tracker.hold(spec)
+            else:
+                self.sender.tracker.hold(
+                    spec.transfer_id,
+                    block_ids=spec.remote_block_ids,
+                    num_prompt_tokens=spec.num_prompt_tokens,
+                )
+
+    def drop(self, transfer_ids: list[str]) -> None:
+        """Prefill ended these requests without a hand-off (aborted)."""
         for transfer_id in transfer_ids:
-            self.sender.tracker.hold(transfer_id)
+            self.sender.tracker.drop(transfer_id)
 
     def collect_finished(self, expected: list[str], timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -333,9 +353,10 @@ class _WorkerState:
                     request_id=spec.request_id,
                     transfer_id=spec.transfer_id,
                     local_block_ids=spec.local_block_ids,
-                    remote_block_ids=spec.remote_block_ids,
+                    remote_block_ids=None if spec.early else spec.remote_block_ids,
                     remote_host="127.0.0.1",
                     remote_port=case.base_port,
+                    num_prompt_tokens=spec.num_prompt_tokens,
                 )
             )
         pending = {spec.request_id for spec in requests}
