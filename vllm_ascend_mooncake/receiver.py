@@ -49,6 +49,7 @@ class ReceiverOptions:
     claim_wait_s: float = 10.0  # how long a "pending" prefill (request not registered yet) is asked
     prefill_wait_s: float = 120.0  # the same, for a pull admitted before prefill finished
     claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
+    claim_park_s: float = 1.0  # prefill may hold a pending claim's reply this long (long poll)
     read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
@@ -285,7 +286,13 @@ class Receiver:
         early = pull.remote_block_ids is None  # admitted before prefill finished
         deadline = time.monotonic() + (options.prefill_wait_s if early else options.claim_wait_s)
         poll_s, longest_poll_s = options.claim_poll_s
-        message = ClaimRead(pull.transfer_id, self._rank, peer.incarnation, pull.num_prompt_tokens)
+        message = ClaimRead(
+            pull.transfer_id,
+            self._rank,
+            peer.incarnation,
+            pull.num_prompt_tokens,
+            wait_s=options.claim_park_s,
+        )
         while True:
             sent_at = time.monotonic()
             try:
@@ -303,8 +310,9 @@ class Receiver:
                     f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
                     f"{reply.reason}"
                 )
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, longest_poll_s)
+            if time.monotonic() - sent_at < poll_s:  # answered at once, not held: do not hammer
+                time.sleep(poll_s)
+                poll_s = min(poll_s * 1.5, longest_poll_s)
 
     def _lane(self, session: str) -> FifoLane:
         with self._lock:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .log import get_logger
-from .side_channel import SideChannelServer
+from .side_channel import Park, SideChannelServer
 from .topology import TransferTopology, request_seed
 from .wire import (
     Ack,
@@ -42,6 +42,8 @@ logger = get_logger(__name__)
 # Early read-done notifications and released ids are remembered this many timeouts long; a
 # hostile peer can therefore grow them only at its own message rate, for a bounded time.
 MEMORY_TIMEOUTS = 2
+#: The longest a pending claim is held open before it is answered "pending" anyway.
+MAX_CLAIM_PARK_S = 5.0
 
 
 @dataclass
@@ -76,6 +78,8 @@ class SendTracker:
         self._finished: set[str] = set()
         self.num_expired = 0
         self._expired_reported = 0
+        #: Called (outside the lock) after a hold or a drop, so parked claims are answered.
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def lease_s(self) -> float:
@@ -90,6 +94,17 @@ class SendTracker:
         num_prompt_tokens: int = -1,
     ) -> None:
         """Start holding a request's blocks until its readers are done (or time runs out)."""
+        self._hold(transfer_id, request_id, tuple(block_ids), num_prompt_tokens)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _hold(
+        self,
+        transfer_id: str,
+        request_id: str | None,
+        block_ids: tuple[int, ...],
+        num_prompt_tokens: int,
+    ) -> None:
         request_id = transfer_id if request_id is None else request_id
         readers = set(self._topology.readers_of(self._rank, request_seed(transfer_id)))
         with self._lock:
@@ -117,7 +132,7 @@ class SendTracker:
                 request_id,
                 readers,
                 self._clock() + self._timeout,
-                tuple(block_ids),
+                block_ids,
                 num_prompt_tokens,
             )
 
@@ -128,6 +143,8 @@ class SendTracker:
                 self._early.pop(transfer_id, None)
                 forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
                 self._released.setdefault(transfer_id, ("", forget))
+        if self.on_change is not None:
+            self.on_change()
 
     def claim(self, transfer_id: str, decode_rank: int, num_prompt_tokens: int = -1) -> ClaimReply:
         """Grant (or renew) a read lease with the prompt's block ids, or say why not."""
@@ -224,6 +241,7 @@ class PrefillSender:
         self.metadata = metadata
         self.tracker = tracker
         self._server = SideChannelServer(host, port, self._handle, name=f"vam-sender-{port}")
+        tracker.on_change = self._server.wake
 
     def _stale(self, incarnation: str) -> ErrorReply | None:
         if incarnation == self.metadata.incarnation:
@@ -233,13 +251,21 @@ class PrefillSender:
             f"{self.metadata.incarnation} (it restarted; its KV is gone)"
         )
 
-    def _handle(self, message: Message) -> Message:
+    def _handle(self, message: Message) -> Message | Park:
         if isinstance(message, GetMetadata):
             return self.metadata
         if isinstance(message, ClaimRead):
-            return self._stale(message.incarnation) or self.tracker.claim(
+            stale = self._stale(message.incarnation)
+            if stale is not None:
+                return stale
+            reply = self.tracker.claim(
                 message.request_id, message.decode_rank, message.num_prompt_tokens
             )
+            if reply.status == "pending" and message.wait_s > 0:
+                # Answer when prefill registers the request (a hold wakes the server), not later.
+                wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
+                return Park(time.monotonic() + wait_s, reply)
+            return reply
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)
             if stale is not None:

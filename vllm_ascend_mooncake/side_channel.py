@@ -1,15 +1,21 @@
 """The ZMQ side channel: a prefill worker's server thread and the decode side's client.
 
 The server (a ROUTER socket on ``host:port``) answers metadata requests and receives read-done
-notifications; a malformed or hostile message gets an error reply and never stops the thread. The
-client uses one DEALER socket per peer with a timeout on every exchange; after a timeout the socket
-is dropped so a late reply cannot be mistaken for the next answer.
+notifications; a malformed or hostile message gets an error reply and never stops the thread. A
+handler may :class:`Park` a request it cannot answer yet (a read claim for a request prefill is
+still computing): the server asks the handler again whenever :meth:`SideChannelServer.wake` is
+called, and sends the park's fallback reply at its deadline. The peer thus gets its answer the
+moment there is one, without polling. The client uses one DEALER socket per peer and thread,
+with a timeout on every exchange; after a timeout the socket is dropped so a late reply cannot be
+mistaken for the next answer.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -31,7 +37,20 @@ def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-Handler = Callable[[Message], Message]
+@dataclass(frozen=True)
+class Park:
+    """A handler's "not yet": handle the message again on the next wake, and answer
+    ``reply_at_deadline`` if it is still parked at ``deadline`` (``time.monotonic``)."""
+
+    deadline: float
+    reply_at_deadline: Message
+
+
+Handler = Callable[[Message], "Message | Park"]
+
+#: Parked requests beyond this many are answered with their fallback at once (hostile peers).
+MAX_PARKED = 4096
+_POLL_MS = 100
 
 
 class SideChannelServer:
@@ -53,15 +72,56 @@ class SideChannelServer:
             ) from exc
         self.address = (host, port)
         self._handler = handler
+        self._parked: list[tuple[bytes, Message, Park]] = []
+        wake_address = f"inproc://vam-wake-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PULL)
+        self._wake_in.bind(wake_address)
+        self._wake_out = self._context.socket(zmq.PUSH)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake_address)
+        self._wake_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Ask the handler again about every parked request (thread-safe, cheap)."""
+        with self._wake_lock:
+            if not self._stop.is_set():
+                self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def _answer(self, identity: bytes, message: Message, parked: Park | None = None) -> None:
+        try:
+            reply = self._handler(message)
+        except Exception as exc:  # a handler bug must not kill the server thread
+            logger.exception("side channel handler failed")
+            reply = ErrorReply(f"internal error: {exc}")
+        if isinstance(reply, Park):
+            park = parked or reply
+            if time.monotonic() < park.deadline and (parked or len(self._parked) < MAX_PARKED):
+                self._parked.append((identity, message, park))
+                return
+            reply = park.reply_at_deadline
+        self._socket.send_multipart([identity, b"", encode(reply)])
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            timeout_ms = _POLL_MS
+            if self._parked:
+                soonest = min(park.deadline for _, _, park in self._parked)
+                timeout_ms = max(0, min(timeout_ms, int((soonest - time.monotonic()) * 1000) + 1))
+            events = dict(poller.poll(timeout_ms))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+            if self._parked and (self._wake_in in events or timeout_ms < _POLL_MS):
+                parked, self._parked = self._parked, []
+                for identity, message, park in parked:
+                    self._answer(identity, message, park)
+            if self._socket not in events:
                 continue
             frames = self._socket.recv_multipart()
             if len(frames) != 3 or frames[1] != b"":
@@ -69,66 +129,75 @@ class SideChannelServer:
                 continue
             identity, _, payload = frames
             try:
-                reply = self._handler(decode(payload))
+                message = decode(payload)
             except WireError as exc:
                 logger.warning("side channel rejected a message: %s", exc)
-                reply = ErrorReply(str(exc))
-            except Exception as exc:  # a handler bug must not kill the server thread
-                logger.exception("side channel handler failed")
-                reply = ErrorReply(f"internal error: {exc}")
-            self._socket.send_multipart([identity, b"", encode(reply)])
+                self._socket.send_multipart([identity, b"", encode(ErrorReply(str(exc)))])
+                continue
+            self._answer(identity, message)
         self._socket.close()
+        self._wake_in.close()
 
     def close(self) -> None:
-        self._stop.set()
+        with self._wake_lock:
+            self._stop.set()
+            self._wake_out.close()
         self._thread.join(timeout=5)
 
 
 class SideChannelClient:
-    """Request/response exchanges with peers' side channels, one socket per peer."""
+    """Request/response exchanges with peers' side channels.
+
+    Each thread has its own socket per peer, so a claim the peer holds open (long poll) never
+    delays another thread's exchange with that peer.
+    """
 
     def __init__(self, timeout_s: float) -> None:
         self._context = zmq.Context.instance()
         self._timeout_ms = int(timeout_s * 1000)
-        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._local = threading.local()
+        self._all_sockets: set[zmq.Socket] = set()
         self._guard = threading.Lock()
 
-    def _lock_for(self, peer: tuple[str, int]) -> threading.Lock:
+    def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
+        sockets: dict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault("sockets", {})
+        sock = sockets.get(peer)
+        if sock is None:
+            host, port = peer
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(zmq_address(host, port))
+            sockets[peer] = sock
+            with self._guard:
+                self._all_sockets.add(sock)
+        return sock
+
+    def _drop(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
+        """Forget a socket after a failed exchange, so a late reply cannot answer the next one."""
+        self._local.sockets.pop(peer, None)
         with self._guard:
-            return self._locks.setdefault(peer, threading.Lock())
+            self._all_sockets.discard(sock)
+        sock.close()
 
     def request(self, host: str, port: int, message: Message) -> Message:
         """Send ``message`` and return the reply; raises :class:`SideChannelError`."""
         peer = (host, port)
-        with self._lock_for(peer):
-            with self._guard:
-                sock = self._sockets.get(peer)
-            if sock is None:
-                sock = self._context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                if ":" in host:
-                    sock.setsockopt(zmq.IPV6, 1)
-                sock.connect(zmq_address(host, port))
-                with self._guard:
-                    self._sockets[peer] = sock
-            try:
-                sock.send_multipart([b"", encode(message)])
-                if not sock.poll(self._timeout_ms, zmq.POLLIN):
-                    raise SideChannelError(
-                        f"no reply from {host}:{port} within {self._timeout_ms} ms"
-                    )
-                frames = sock.recv_multipart()
-                if len(frames) != 2 or frames[0] != b"":
-                    raise SideChannelError(f"malformed reply from {host}:{port}")
-                reply = decode(frames[1])
-            except (SideChannelError, WireError, zmq.ZMQError) as exc:
-                sock.close()
-                with self._guard:
-                    self._sockets.pop(peer, None)
-                if isinstance(exc, SideChannelError):
-                    raise
-                raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
+        sock = self._socket(peer)
+        try:
+            sock.send_multipart([b"", encode(message)])
+            if not sock.poll(self._timeout_ms, zmq.POLLIN):
+                raise SideChannelError(f"no reply from {host}:{port} within {self._timeout_ms} ms")
+            frames = sock.recv_multipart()
+            if len(frames) != 2 or frames[0] != b"":
+                raise SideChannelError(f"malformed reply from {host}:{port}")
+            reply = decode(frames[1])
+        except (SideChannelError, WireError, zmq.ZMQError) as exc:
+            self._drop(peer, sock)
+            if isinstance(exc, SideChannelError):
+                raise
+            raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
         if isinstance(reply, ErrorReply):
             raise PeerRefused(f"{host}:{port} refused {type(message).__name__}: {reply.message}")
         return reply
@@ -137,7 +206,8 @@ class SideChannelClient:
         return self.request(host, port, GetMetadata())
 
     def close(self) -> None:
+        """Close every thread's sockets (call once the threads that used them are done)."""
         with self._guard:
-            for sock in self._sockets.values():
+            for sock in self._all_sockets:
                 sock.close()
-            self._sockets.clear()
+            self._all_sockets.clear()

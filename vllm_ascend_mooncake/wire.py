@@ -114,12 +114,14 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
     """Before reading (and to renew): may this decode rank read the request's blocks now?
 
     ``num_prompt_tokens`` (-1: unchecked) is the decode request's prompt length, which prefill
-    compares with its own."""
+    compares with its own. While the request is pending, prefill may hold the reply back for up
+    to ``wait_s`` seconds and answer as soon as it registers the request."""
 
     request_id: str
     decode_rank: int
     incarnation: str
     num_prompt_tokens: int = -1
+    wait_s: float = 0.0
 
 
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):

@@ -142,6 +142,7 @@ class ConnectorWorker:
                     num_threads=config.receiver_threads,
                     claim_wait_s=config.claim_wait_s,
                     prefill_wait_s=config.prefill_wait_s,
+                    claim_park_s=min(1.0, config.side_channel_timeout_s / 2),
                     read_retries=config.read_retries,
                 ),
                 staging,

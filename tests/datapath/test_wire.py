@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import msgspec
 import pytest
@@ -10,7 +12,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ascend_mooncake.side_channel import SideChannelClient, SideChannelServer
+from vllm_ascend_mooncake.side_channel import Park, SideChannelClient, SideChannelServer
 from vllm_ascend_mooncake.testing.datapath_harness import free_port_base
 from vllm_ascend_mooncake.wire import (
     Ack,
@@ -92,6 +94,50 @@ def test_server_survives_malformed_frames_and_handler_errors() -> None:
         with pytest.raises(Exception, match="internal error: boom"):
             client.request("127.0.0.1", port, ClaimRead("r", 0, "i"))
         assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_parked_request_is_answered_on_wake_or_at_its_deadline_and_blocks_nobody() -> None:
+    """Long poll: a claim the handler cannot answer yet waits on the server, is answered as soon
+    as a wake finds an answer, gets the fallback at its deadline, and meanwhile another thread's
+    exchange with the same server goes through."""
+    ready = threading.Event()
+
+    def handler(message):
+        if isinstance(message, ClaimRead):
+            if ready.is_set() and message.request_id == "soon":
+                return ClaimReply("granted", 1.0)
+            return Park(time.monotonic() + message.wait_s, ClaimReply("pending"))
+        return Ack()
+
+    port = free_port_base(1)
+    server = SideChannelServer("127.0.0.1", port, handler)
+    client = SideChannelClient(timeout_s=10)
+    replies: dict[str, tuple[str, float]] = {}
+
+    def claim(request_id: str, wait_s: float) -> None:
+        sent = time.monotonic()
+        reply = client.request("127.0.0.1", port, ClaimRead(request_id, 0, "i", wait_s=wait_s))
+        replies[request_id] = (reply.status, time.monotonic() - sent)
+
+    try:
+        threads = [
+            threading.Thread(target=claim, args=("soon", 8.0)),
+            threading.Thread(target=claim, args=("never", 0.5)),
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.2)
+        assert client.request("127.0.0.1", port, GetMetadata()) == Ack()  # not queued behind
+        assert not replies, "parked claims were answered before there was an answer"
+        ready.set()
+        server.wake()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert replies["soon"][0] == "granted" and replies["soon"][1] < 4.0  # well before 8 s
+        assert replies["never"][0] == "pending" and replies["never"][1] >= 0.5
     finally:
         client.close()
         server.close()
