@@ -12,6 +12,7 @@ mistaken for the next answer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -88,7 +89,8 @@ class SideChannelServer:
         """Ask the handler again about every parked request (thread-safe, cheap)."""
         with self._wake_lock:
             if not self._stop.is_set():
-                self._wake_out.send(b"", zmq.NOBLOCK)
+                with contextlib.suppress(zmq.Again):  # wakes are queued already: one is enough
+                    self._wake_out.send(b"", zmq.NOBLOCK)
 
     def _answer(self, identity: bytes, message: Message, parked: Park | None = None) -> None:
         try:
