@@ -9,8 +9,9 @@ notification (success or not) so the prefill side can free its blocks; :mod:`.no
 off the read path.
 
 A pull admitted before prefill finished (overlapped legs) has no remote block ids yet: its claims
-wait, polling with a short growing interval, for up to ``prefill_wait_s``, and the grant carries
-the block ids. Every prefill rank must report the same ones.
+wait for up to ``prefill_wait_s`` (prefill holds each claim open and answers it as soon as it
+registers the request), and the grant carries the block ids. Every prefill rank must report the
+same ones.
 """
 
 from __future__ import annotations

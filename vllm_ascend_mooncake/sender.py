@@ -10,8 +10,10 @@ kept until the request shows up. A request nobody finishes reading is released w
 reported finished exactly once.
 
 Requests are tracked under their transfer id (vLLM's request id unless the proxy overlapped the
-legs and chose one). A claim that arrives before prefill is done is answered "pending"; the grant
-carries the prompt's block ids, which is how a decode that was admitted early learns them. A
+legs and chose one). A claim that arrives before prefill is done is held open by the side channel
+and answered the moment prefill registers the request ("pending" if that takes longer than the
+claim's wait); the grant carries the prompt's block ids, which is how a decode that was admitted
+early learns them. A
 prefill request that ends without a hand-off (aborted) is dropped, so its claims are refused at
 once instead of waiting for a prefill that will never come.
 """
