@@ -45,10 +45,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
-    @property
-    def blocks_known(self) -> bool:
-        return self.remote_block_ids is not None
-
 
 def transfer_id_of(params: dict[str, Any], default: str) -> str:
     """The id a prefill request's KV is claimed under: the proxy's ``transfer_id``, if valid."""

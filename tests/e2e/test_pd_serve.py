@@ -21,6 +21,7 @@ import pytest
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
+from vllm_ascend_mooncake.proxy.payloads import prefill_address
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -195,22 +196,26 @@ def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_p
         colocated_x = complete(pd.prefill.base_url, name, x)
         colocated_y = complete(pd.prefill.base_url, name, y)
 
-        def serial(attempt: int) -> dict:
-            prefill = httpx.post(
+        def prefill_y(kv_transfer_params: dict, **extra) -> dict:
+            """Prompt Y's one-token prefill, holding its KV for a decode."""
+            response = httpx.post(
                 f"{pd.prefill.base_url}/v1/completions",
                 json={
                     "model": name,
                     "prompt": y,
                     "max_tokens": 1,
                     "temperature": 0,
-                    "kv_transfer_params": {"do_remote_decode": True},
+                    "kv_transfer_params": {"do_remote_decode": True, **kv_transfer_params},
+                    **extra,
                 },
                 timeout=TIMEOUT,
-            ).json()
-            address.update(
-                (key, prefill["kv_transfer_params"][key])
-                for key in ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size")
             )
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        def serial(attempt: int) -> dict:
+            prefill = prefill_y({})
+            address.update(prefill_address(prefill["kv_transfer_params"]))
             return complete(
                 pd.decode.base_url,
                 name,
@@ -235,22 +240,7 @@ def test_negative_control_decode_uses_the_transferred_kv(model, reference, tmp_p
                     cache_salt=f"overlapped-{attempt}",
                 )
                 time.sleep(1.0)  # decode admits the request and waits for the prefill
-                prefill = httpx.post(
-                    f"{pd.prefill.base_url}/v1/completions",
-                    json={
-                        "model": name,
-                        "prompt": y,
-                        "max_tokens": 1,
-                        "temperature": 0,
-                        "cache_salt": f"overlapped-{attempt}",
-                        "kv_transfer_params": {
-                            "do_remote_decode": True,
-                            "transfer_id": transfer_id,
-                        },
-                    },
-                    timeout=TIMEOUT,
-                )
-                assert prefill.status_code == 200, prefill.text
+                prefill_y({"transfer_id": transfer_id}, cache_salt=f"overlapped-{attempt}")
                 return decoding.result()
 
         address: dict = {}

@@ -304,6 +304,18 @@ class DisaggregatingProxy:
             self.prefill_addresses[upstream.url] = address
         return kv_transfer_params
 
+    def _prefill_failed(
+        self, upstream: Upstream, response: httpx.Response, request_id: str
+    ) -> Response:
+        """A prefill's error answer, passed to the client unchanged."""
+        logger.warning(
+            "request %s: prefill %s answered %d; passing it to the client",
+            request_id,
+            upstream.url,
+            response.status_code,
+        )
+        return _passthrough(response, request_id)
+
     def _invalid_prefill(self, upstream: Upstream, path: str, error: Exception) -> JSONResponse:
         return error_response(
             502,
@@ -320,13 +332,7 @@ class DisaggregatingProxy:
             self.prefill, "POST", path, headers, prefill_body(client_body)
         )
         if not prefill_response.is_success:
-            logger.warning(
-                "request %s: prefill %s answered %d; passing it to the client",
-                request_id,
-                prefill_upstream.url,
-                prefill_response.status_code,
-            )
-            return _passthrough(prefill_response, request_id)
+            return self._prefill_failed(prefill_upstream, prefill_response, request_id)
         try:
             kv_transfer_params = self._prefill_params(prefill_upstream, prefill_response)
         except InvalidPrefillResponse as error:
@@ -390,13 +396,7 @@ class DisaggregatingProxy:
             raise
         if not prefill_response.is_success:
             await self._abandon(decode_leg)
-            logger.warning(
-                "request %s: prefill %s answered %d; passing it to the client",
-                request_id,
-                prefill_upstream.url,
-                prefill_response.status_code,
-            )
-            return _passthrough(prefill_response, request_id)
+            return self._prefill_failed(prefill_upstream, prefill_response, request_id)
         try:
             kv_transfer_params = self._prefill_params(prefill_upstream, prefill_response)
         except InvalidPrefillResponse as error:
