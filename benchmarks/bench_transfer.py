@@ -18,11 +18,11 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass
 
+from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.testing.datapath_harness import (
     CaseSpec,
     RequestSpec,
     WorkerProcess,
-    free_port_base,
 )
 from vllm_ascend_mooncake.topology import request_seed
 
@@ -176,7 +176,7 @@ def main() -> int:
                     element_size=2,
                     prefill_blocks=blocks if args.table == "contiguous" else 2 * blocks,
                     decode_blocks=blocks if args.table == "contiguous" else 2 * blocks,
-                    base_port=free_port_base(prefill_tp),
+                    base_port=free_port_range(prefill_tp),
                     release_timeout_s=600,
                     coalesce_runs=not args.no_coalesce,
                     block_reads_from_bytes=args.block_reads_from_kib * 1024,

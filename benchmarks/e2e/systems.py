@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer, free_port
+from vllm_ascend_mooncake.launch.ports import free_port
+from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer
 
 from .transfer_logs import (
     error_lines,

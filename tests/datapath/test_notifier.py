@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.notifier import ReadDoneNotifier
 from vllm_ascend_mooncake.side_channel import SideChannelClient, SideChannelServer
-from vllm_ascend_mooncake.testing.datapath_harness import free_port_base
 from vllm_ascend_mooncake.wire import Ack, ErrorReply, ReadDone
 
 CLIENT_TIMEOUT_S = 0.3
@@ -21,7 +21,7 @@ class Prefill:
     def __init__(self, refuse: bool = False) -> None:
         self.refuse = refuse
         self.received: list[str] = []
-        self.port = free_port_base(1)
+        self.port = free_port_range(1)
         self.server: SideChannelServer | None = None
 
     def start(self) -> None:

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.testing.datapath_harness import (
     CaseSpec,
     RequestSpec,
     WorkerProcess,
-    free_port_base,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -121,7 +121,7 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         layout=layout,
-        base_port=free_port_base(prefill_tp),
+        base_port=free_port_range(prefill_tp),
         seed=hash(name) % 1000,
         staging_bytes=3 * 4 * 16 * 64,  # a few prefill blocks: forces several staging rounds
     )
@@ -154,7 +154,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
         decode_blocks=100,
         coalesce_runs=False,
         max_descriptor_bytes=128,  # ~200,000 descriptors: the read takes seconds
-        base_port=free_port_base(2),
+        base_port=free_port_range(2),
     )
     prefill = [WorkerProcess(), WorkerProcess()]
     decode = WorkerProcess()
@@ -198,7 +198,7 @@ def test_early_pulls_fail_fast_when_prefill_drops_them_or_computed_another_promp
         prefill_tp=2,
         decode_tp=1,
         layout="vllm_head_major",
-        base_port=free_port_base(2),
+        base_port=free_port_range(2),
     )
     dropped = RequestSpec("dropped", "t-dropped", (0, 1), (3, 4), early=True)
     other_prompt = RequestSpec("other", "t-other", (2, 3), (5, 6), early=True)

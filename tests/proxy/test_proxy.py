@@ -7,7 +7,6 @@ gets back and what each prefill and decode instance was asked.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from fake_vllm import OMIT, FakeVllm
 from loopback_server import refusing_port, serve_on_loopback
 
+from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer
 from vllm_ascend_mooncake.proxy.cli import main
@@ -483,14 +483,8 @@ def test_cli_rejects_urls_that_are_not_base_urls(
     assert "--prefill" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_cli_serves_the_proxy(fleet: Fleet) -> None:
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",

@@ -23,7 +23,8 @@ from types import TracebackType
 from typing import Any
 
 from ..config import CONNECTOR_NAME
-from .servers import ServerError, VllmServer, free_port, process_group_members
+from .ports import free_port, free_port_range
+from .servers import ServerError, VllmServer, process_group_members
 
 _METRICS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
 
@@ -75,7 +76,7 @@ class LocalDeployment:
         log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="vam-pd-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
-        self.side_channel_port = _free_port_range(spec.prefill_tp)
+        self.side_channel_port = free_port_range(spec.prefill_tp)
         env = {
             # TP > 1 on a couple of cores: pinning OpenMP threads to cores oversubscribes them.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -230,26 +231,6 @@ def _http_ok(url: str) -> bool:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _free_port_range(count: int) -> int:
-    """A base port with ``count`` free consecutive ports (the prefill side channel)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65536 and all(_port_free(base + i) for i in range(count)):
-            return base
-    raise ServerError("no free range of loopback ports for the side channel")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 __all__ = ["DeploymentSpec", "LocalDeployment", "connector_config", "process_group_members"]

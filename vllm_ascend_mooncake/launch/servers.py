@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from types import TracebackType
 from typing import IO
 
 from vllm_ascend_mooncake.testing.engine_env import apply_engine_env
+
+from .ports import free_port
 
 #: The module that runs vLLM's CLI whichever vLLM distribution is installed.
 CLI_MODULE = "vllm_ascend_mooncake.launch.vllm_cli"
@@ -48,18 +49,6 @@ _LOG_TAIL_BYTES = 6000
 
 class ServerError(RuntimeError):
     """A vLLM server failed to start, to become ready, or to stop."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that is free right now.
-
-    The port is released before it is returned, so another process could take it before the
-    server binds it; on a test machine that race is rare, and a server that loses it fails fast
-    in :meth:`VllmServer.wait_ready` with the bind error in its log.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def process_group_members(pgid: int) -> list[int]:

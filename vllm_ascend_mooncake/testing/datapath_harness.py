@@ -10,7 +10,6 @@ pulled block against it byte for byte, and that no byte outside the requested bl
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 import uuid
@@ -109,25 +108,6 @@ class PullOutcome:
     descriptors: int = 0
     ready_seconds: float = 0.0  # slowest request: first read to KV ready (fix-up included)
     fixup_seconds: float = 0.0
-
-
-def free_port_base(count: int) -> int:
-    """A base port with ``count`` consecutive free ports on loopback."""
-    for _ in range(200):
-        base = int(np.random.default_rng().integers(42000, 60000))
-        try:
-            socks = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError("no free port range on loopback")
 
 
 # ---------------------------------------------------------------------------------------------
