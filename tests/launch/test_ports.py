@@ -6,7 +6,6 @@ the server's bind; these tests pin the properties that prevent that.
 
 from __future__ import annotations
 
-import random
 import socket
 
 import pytest
@@ -41,7 +40,7 @@ def test_a_port_someone_listens_on_is_skipped(monkeypatch: pytest.MonkeyPatch) -
         ports._handed_out.difference_update({taken_port, other_port})
         # The first candidate is the taken port; the chooser must move on to the next one.
         candidates = iter([taken_port, other_port])
-        monkeypatch.setattr(random, "randint", lambda low, high: next(candidates))
+        monkeypatch.setattr(ports._rng, "randint", lambda low, high: next(candidates))
         assert free_port() == other_port
 
 

@@ -22,6 +22,9 @@ _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default when /proc cannot be read
 _ATTEMPTS = 500
 
+# OS entropy, not the global ``random`` state that a test or library may have seeded: two
+# processes seeded alike would otherwise choose the same ports in the same order.
+_rng = random.SystemRandom()
 _handed_out: set[int] = set()
 _lock = threading.Lock()
 
@@ -51,7 +54,7 @@ def free_port_range(count: int = 1, host: str = "127.0.0.1") -> int:
         )
     with _lock:
         for _ in range(_ATTEMPTS):
-            base = random.randint(_LOWEST_PORT, high)
+            base = _rng.randint(_LOWEST_PORT, high)
             ports = range(base, base + count)
             if any(port in _handed_out for port in ports):
                 continue
