@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -90,7 +91,12 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return StepMetadata(self._scheduler.build_step_orders())
+        orders = self._scheduler.build_step_orders()
+        orders.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return StepMetadata(orders)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.filter_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -117,7 +123,9 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker.get_finished()
+        metadata = self._connector_metadata
+        idle = isinstance(metadata, StepMetadata) and metadata.orders.idle
+        sending, recving = self._worker.get_finished(idle)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

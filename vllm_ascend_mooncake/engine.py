@@ -52,6 +52,9 @@ def transfer_timeout_s() -> float:
 # Polled wait: first sleep, and the longest sleep between two rounds of status checks.
 POLL_FIRST_SLEEP_S = 50e-6
 POLL_MAX_SLEEP_S = 0.5e-3
+# A read still in flight at its timeout is waited for this many more timeouts before its memory
+# is given up as quarantined (the transport normally fails or completes it well before).
+SETTLE_TIMEOUTS = 3
 
 # Ascend's HCCL transport registers device memory in 2 MiB-aligned regions, at most 256 of them.
 DEVICE_REGISTRATION_LIMITS = {"npu": (2 << 20, 256)}
@@ -62,7 +65,14 @@ class TransferEngineError(RuntimeError):
 
 
 class TransferError(RuntimeError):
-    """A batched read failed; the bytes of the whole batch must be considered garbage."""
+    """A batched read failed and settled: its bytes are garbage, but no more will land."""
+
+
+class UnsettledTransfer(TransferError):
+    """A read failed with descriptors still in flight: their local memory may be written later.
+
+    Mooncake cannot cancel a descriptor, so that memory must never be handed back for reuse.
+    """
 
 
 @dataclass(frozen=True)
@@ -197,14 +207,16 @@ class MooncakeEngine:
     ) -> None:
         """One asynchronous batch per descriptor, checked without spinning.
 
-        A failed descriptor does not end the wait: every other one is waited for too, so that no
-        byte lands in local memory after this call has reported the read failed (the caller then
-        hands those blocks back to vLLM, which may recompute into them). Only a read that outlives
-        the timeout returns with descriptors in flight: Mooncake cannot cancel them, and their
-        batches are left allocated rather than freed under the transport's feet.
+        The call returns only once every submitted descriptor has *settled* (completed, failed or
+        given up by the transport), so no byte lands in local memory after it: the caller hands
+        failed blocks back to vLLM, which recomputes into them or gives them to another request.
+        A failed descriptor therefore never ends the wait early, and a read that outlives the
+        timeout is waited for once more (``SETTLE_TIMEOUTS`` timeouts) before it is reported
+        failed. Mooncake cannot cancel a descriptor: one still in flight after that raises
+        :class:`UnsettledTransfer`, and its local memory must never be reused.
         """
         total = int(sum(lengths))
-        deadline = time.monotonic() + self._timeout_s + total * 1e-9
+        budget_s = self._timeout_s + total * 1e-9
         pending: list[int] = []
         rejected = 0
         for local_addr, remote_addr, length in zip(local, remote, lengths, strict=True):
@@ -216,6 +228,42 @@ class MooncakeEngine:
                 break  # the peer is unusable; wait out what is already in flight
             pending.append(batch_id)
         not_submitted = len(lengths) - len(pending) - rejected
+        what = f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} B"
+        pending, failed, timed_out = self._wait_settled(pending, time.monotonic() + budget_s)
+        if pending:
+            logger.warning(
+                "%s: %d descriptor(s) still in flight after %.0f s (MC_TRANSFER_TIMEOUT); waiting "
+                "for the transport to settle them before the blocks are handed back",
+                what,
+                len(pending),
+                budget_s,
+            )
+            settle_by = time.monotonic() + SETTLE_TIMEOUTS * budget_s
+            pending, late_failed, late_timed_out = self._wait_settled(pending, settle_by)
+            if pending:
+                raise UnsettledTransfer(
+                    f"{what}: {len(pending)} descriptor(s) never settled in "
+                    f"{(SETTLE_TIMEOUTS + 1) * budget_s:.0f} s; their local memory may still be "
+                    f"written and is quarantined"
+                )
+            raise TransferError(
+                f"{what} did not finish within {budget_s:.0f} s (MC_TRANSFER_TIMEOUT); the peer is "
+                f"stalled or overloaded ({failed + late_failed} failed, "
+                f"{timed_out + late_timed_out} timed out in the transport)"
+            )
+        if failed or timed_out or rejected:
+            raise TransferError(
+                f"{what}: {failed} failed, {timed_out} timed out in the transport"
+                + (f", {rejected} refused at submission" if rejected else "")
+                + (f", {not_submitted} not submitted" if not_submitted else "")
+                + ": the peer is unreachable, restarted, or the addresses are no longer registered"
+            )
+
+    def _wait_settled(self, pending: list[int], deadline: float) -> tuple[list[int], int, int]:
+        """Poll batches until each settles or ``deadline`` passes.
+
+        Returns (still in flight, failed, given up by the transport).
+        """
         failed, timed_out = 0, 0
         sleep_s = POLL_FIRST_SLEEP_S
         while pending:
@@ -229,25 +277,11 @@ class MooncakeEngine:
                 elif status < 0:
                     failed += 1
             pending = still
-            if not pending:
+            if not pending or time.monotonic() > deadline:
                 break
-            if time.monotonic() > deadline:
-                raise TransferError(
-                    f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} "
-                    f"B, did not finish within {self._timeout_s:.0f} s (MC_TRANSFER_TIMEOUT): "
-                    f"{len(pending)} descriptor(s) still in flight; the peer is stalled or "
-                    f"overloaded"
-                )
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, POLL_MAX_SLEEP_S)
-        if failed or timed_out or rejected:
-            raise TransferError(
-                f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} B: "
-                f"{failed} failed, {timed_out} timed out in the transport"
-                + (f", {rejected} refused at submission" if rejected else "")
-                + (f", {not_submitted} not submitted" if not_submitted else "")
-                + ": the peer is unreachable, restarted, or the addresses are no longer registered"
-            )
+        return pending, failed, timed_out
 
     def close(self) -> None:
         with self._lock:

@@ -27,6 +27,18 @@ class PullRequest:
     remote_engine_id: str | None = None
     num_prompt_tokens: int = -1
 
+    @property
+    def release_only(self) -> bool:
+        """No local blocks: vLLM loads nothing and does not wait for a report; the pull only
+        tells prefill to free its hold (an abort before scheduling, a request skipping
+        external KV)."""
+        return not self.local_block_ids
+
+    @property
+    def early(self) -> bool:
+        """Admitted before prefill answered (overlapped legs): the lease names the blocks."""
+        return self.remote_block_ids is None
+
 
 @dataclass(frozen=True)
 class HoldRequest:

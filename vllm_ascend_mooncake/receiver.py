@@ -8,10 +8,17 @@ partially read request is never fixed up or reported loaded. Each peer read gets
 notification (success or not) so the prefill side can free its blocks; :mod:`.notifier` sends it
 off the read path.
 
+What is reported to vLLM is what vLLM waits for, and only once no byte can land any more: a
+release-only pull (no local blocks) is never reported; a failed request is reported only after
+every one of its reads has settled. A read whose descriptors are still in flight after the
+transport's settle window is never reported (:class:`~.engine.UnsettledTransfer`): vLLM then keeps
+its blocks allocated, so late bytes can never reach a block that was recomputed or reused.
+
 A pull admitted before prefill finished (overlapped legs) has no remote block ids yet: its claims
 wait for up to ``prefill_wait_s`` (prefill holds each claim open and answers it as soon as it
 registers the request), and the grant carries the block ids. Every prefill rank must report the
-same ones.
+same ones. Such a pull is bound to prefill by its unique transfer id, not by an engine id the
+proxy may have cached before prefill restarted: a restarted peer is looked up again.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .engine import MooncakeEngine, TransferError
+from .engine import MooncakeEngine, TransferError, UnsettledTransfer
 from .lanes import FifoLane
 from .layout import BlockOrder, Region, effective_order
 from .log import get_logger
@@ -32,7 +39,7 @@ from .peers import PeerDirectory
 from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch, plan_request
 from .pull import PullRequest
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
-from .side_channel import SideChannelClient, SideChannelError
+from .side_channel import PeerRefused, SideChannelClient, SideChannelError
 from .topology import TransferTopology, request_seed
 from .wire import ClaimRead, ClaimReply, ReadDone
 
@@ -51,6 +58,7 @@ class ReceiverOptions:
     prefill_wait_s: float = 120.0  # the same, for a pull admitted before prefill finished
     claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
     claim_park_s: float = 1.0  # prefill may hold a pending claim's reply this long (long poll)
+    claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
     read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
@@ -112,6 +120,7 @@ class _InFlight:
     started: float
     staging: StagingArea | None = None
     failure: str | None = None
+    quarantined: bool = False  # a read may still write its local memory: never report it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -175,6 +184,8 @@ class Receiver:
         )
         self._queue: queue.Queue[PullRequest | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # a pull vLLM waits for has ended
+        self._waited_for = 0  # pulls vLLM waits for that have not ended yet
         self._done: set[str] = set()
         self._failed: dict[str, PullFailure] = {}
         self._stats: list[PullStats] = []
@@ -186,7 +197,20 @@ class Receiver:
     # -- public API -------------------------------------------------------------------------
 
     def submit(self, pull: PullRequest) -> None:
+        if not pull.release_only:
+            with self._lock:
+                self._waited_for += 1
         self._queue.put(pull)
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
+
+        An engine with only loading requests steps in a tight loop; waiting here instead keeps
+        it from taking the CPU that the transfer (and, on a shared host, prefill) needs.
+        """
+        with self._news:
+            if self._waited_for and not self._done and not self._failed:
+                self._news.wait(timeout_s)
 
     def take_finished(self) -> tuple[set[str], dict[str, PullFailure]]:
         """Requests whose pull ended since the last call: loaded ones, and failed ones with the
@@ -234,17 +258,20 @@ class Receiver:
         seed = request_seed(pull.transfer_id)
         pulls = self._topology.pulls_for(self._rank, seed)
         remote_tables: dict[int, list[Region]] = {}
+        # An early pull is bound by its unique transfer id; the engine id it carries may predate
+        # a prefill restart (the proxy learns the new one from the answer that follows).
+        engine_id = None if pull.early else pull.remote_engine_id
         for head_pull in pulls:
             rank = head_pull.prefill_rank
             port = pull.remote_port + rank
-            meta = self._peers.get(pull.remote_host, port, pull.remote_engine_id)
+            meta = self._peers.get(pull.remote_host, port, engine_id)
             remote_tables[rank] = meta.to_regions()
             peers[rank] = _Peer(rank, pull.remote_host, port, meta.te_session, meta.incarnation)
         remote_block_ids = pull.remote_block_ids
         if pull.local_block_ids:
             for peer in peers.values():
-                granted = self._claim(pull, peer)
-                if pull.remote_block_ids is None:
+                granted = self._first_claim(pull, peer, remote_tables)
+                if pull.early:
                     remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
         staging = None
         if pull.local_block_ids and self._needs_staging(
@@ -281,11 +308,35 @@ class Receiver:
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
 
+    def _first_claim(
+        self, pull: PullRequest, peer: _Peer, remote_tables: dict[int, list[Region]]
+    ) -> ClaimReply:
+        """The first claim; an early pull whose cached peer restarted retries it on the new one
+        (the transfer id is unique, so the new incarnation is the one computing it)."""
+        try:
+            return self._claim(pull, peer)
+        except PeerRefused:
+            if not pull.early:
+                raise
+            meta = self._peers.get(peer.host, peer.port)  # invalidated by the refusal
+            if meta.incarnation == peer.incarnation:
+                raise
+            logger.info(
+                "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
+                peer.host,
+                peer.port,
+                meta.incarnation,
+                pull.transfer_id,
+            )
+            peer.te_session, peer.incarnation = meta.te_session, meta.incarnation
+            remote_tables[peer.rank] = meta.to_regions()
+            return self._claim(pull, peer)
+
     def _claim(self, pull: PullRequest, peer: _Peer) -> ClaimReply:
         """Obtain (or renew) the peer's read lease; raises if it refuses or never registers."""
         options = self._options
-        early = pull.remote_block_ids is None  # admitted before prefill finished
-        deadline = time.monotonic() + (options.prefill_wait_s if early else options.claim_wait_s)
+        wait_s = options.prefill_wait_s if pull.early else options.claim_wait_s
+        deadline = time.monotonic() + wait_s
         poll_s, longest_poll_s = options.claim_poll_s
         message = ClaimRead(
             pull.transfer_id,
@@ -294,13 +345,23 @@ class Receiver:
             pull.num_prompt_tokens,
             wait_s=options.claim_park_s,
         )
+        silent = 0
         while True:
             sent_at = time.monotonic()
             try:
                 reply = self._client.request(peer.host, peer.port, message)
-            except SideChannelError:
+            except PeerRefused:
                 self._peers.invalidate(peer.host, peer.port)
                 raise
+            except SideChannelError as exc:
+                # A claim is idempotent: a silent peer (a starved host) is asked again, a dead
+                # one costs claim_attempts timeouts.
+                silent += 1
+                if silent >= options.claim_attempts:
+                    self._peers.invalidate(peer.host, peer.port)
+                    raise
+                logger.warning("claim of %s: %s; asking again", pull.transfer_id, exc)
+                continue
             if not isinstance(reply, ClaimReply):
                 raise RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
             if reply.status == "granted":
@@ -334,6 +395,8 @@ class Receiver:
                 self._read_leased(state.pull, peer, peer_plan)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = str(exc)
+                if isinstance(exc, UnsettledTransfer):
+                    state.quarantined = True
                 self._peers.invalidate(peer.host, peer.port)
                 logger.warning(
                     "request %s: read from prefill rank %d (%s) failed: %s",
@@ -370,12 +433,27 @@ class Receiver:
             try:
                 self._engine.read(te_session, batch.local_addrs, batch.remote_addrs, batch.lengths)
                 return
+            except UnsettledTransfer:
+                raise  # bytes may still land: a second read into the same memory would race it
             except TransferError:
                 if attempt == self._options.read_retries:
                     raise
                 time.sleep(self._options.retry_backoff_s * (attempt + 1))
 
     def _complete(self, state: _InFlight) -> None:
+        if state.quarantined:
+            # Never reported: vLLM keeps the blocks (and this staging area stays out of use), so
+            # the bytes still in flight cannot land in KV that anyone else computes or reads.
+            logger.error(
+                "request %s: a KV read never settled (%s); its %d decode block(s) stay allocated "
+                "and the request waits until the engine restarts",
+                state.pull.request_id,
+                state.failure,
+                len(state.pull.local_block_ids),
+            )
+            with self._lock:
+                self._waited_for -= 1  # nothing to wait for: it is never reported
+            return
         fixup_started = time.perf_counter()
         try:
             if state.failure is None:
@@ -400,11 +478,19 @@ class Receiver:
         self._finish(state.pull, state.failure)
 
     def _finish(self, pull: PullRequest, failure: str | None) -> None:
+        if pull.release_only:
+            if failure is not None:
+                logger.info(
+                    "request %s: releasing prefill's hold failed: %s", pull.request_id, failure
+                )
+            return  # vLLM loads nothing for it and must never hear of it
         with self._lock:
             if failure is None:
                 self._done.add(pull.request_id)
             else:
                 self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
+            self._waited_for -= 1
+            self._news.notify_all()
 
     def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
         message = ReadDone(

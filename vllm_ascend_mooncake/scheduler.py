@@ -10,6 +10,13 @@ When the proxy overlaps the legs, decode admits a request before prefill has ans
 how many prompt blocks to allocate from its own prompt, and the pull learns the prefill's block ids
 from the read lease. A prefill request that was given a transfer id but ends without a hand-off
 is dropped, so the decode waiting for it is refused at once.
+
+vLLM asserts on any finished id it is not waiting for (a request it already freed, one that never
+loaded asynchronously), and such an assert kills the engine core. So this side keeps the ids it
+handed to vLLM as asynchronous loads and delayed frees, and :meth:`ConnectorScheduler.filter_output`
+drops anything else from the workers' reports with a log line. A pull with no local blocks (an
+abort before scheduling, a request that loads nothing) only releases prefill's hold and is never
+reported at all.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from .pull import HoldRequest, PullRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
@@ -36,6 +44,7 @@ class StepOrders:
     pulls: list[PullRequest] = field(default_factory=list)
     holds: list[HoldRequest] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # transfer ids prefill will never hand off
+    idle: bool = False  # the step runs no tokens: workers may wait a little for transfers
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,6 +56,8 @@ class ConnectorScheduler:
         self.config = config
         self._remote: dict[str, RemotePrefill] = {}
         self._orders = StepOrders()
+        self._loading: set[str] = set()  # async loads vLLM waits for in finished_recving
+        self._holding: set[str] = set()  # delayed frees vLLM waits for in finished_sending
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -107,6 +118,10 @@ class ConnectorScheduler:
             ) // self.config.block_size
             prompt_blocks = _cdiv(request.num_prompt_tokens, self.config.block_size)
             local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
+        if local:
+            self._loading.add(request.request_id)
+        # Without local blocks vLLM loads nothing (e.g. prompt_logprobs skip external KV): the
+        # pull only releases prefill's hold and the workers never report it.
         self._orders.pulls.append(self._pull_order(request, remote, local))
 
     def _pull_order(self, request: Request, remote: RemotePrefill, local: list[int]) -> PullRequest:
@@ -127,6 +142,14 @@ class ConnectorScheduler:
     def build_step_orders(self) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         return orders
+
+    def filter_output(self, output: KVConnectorOutput) -> None:
+        """Keep only the finished ids vLLM is waiting for (it asserts on any other).
+
+        Each reported id leaves the waiting set: vLLM takes every id exactly once.
+        """
+        output.finished_recving = _expected(output.finished_recving, self._loading, "loaded")
+        output.finished_sending = _expected(output.finished_sending, self._holding, "sent")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -156,6 +179,7 @@ class ConnectorScheduler:
             if transfer_id != request.request_id:
                 self._orders.drops.append(transfer_id)  # a decode may already be waiting
             return False, None
+        self._holding.add(request.request_id)
         self._orders.holds.append(
             HoldRequest(
                 request.request_id, transfer_id, tuple(prompt_blocks), request.num_prompt_tokens
@@ -181,3 +205,21 @@ class ConnectorScheduler:
             )
         except InvalidTransferParams:
             return None
+
+
+def _expected(reported: set[str] | None, waiting: set[str], what: str) -> set[str] | None:
+    """The reported ids that are in ``waiting`` (removed from it); logs the others."""
+    if not reported:
+        return reported
+    unexpected = reported - waiting
+    if unexpected:
+        logger.error(
+            "workers reported KV of %d request(s) %s that vLLM is not waiting for: %s; ignored "
+            "(a connector bug: please report it)",
+            len(unexpected),
+            what,
+            sorted(unexpected)[:8],
+        )
+    kept = reported & waiting
+    waiting -= kept
+    return kept or None

@@ -73,6 +73,7 @@ class SendTracker:
         self._timeout = release_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # a request may be finished now
         self._held: dict[str, _Held] = {}
         self._early: dict[str, tuple[set[int], float]] = {}
         # transfer id -> (vLLM request id, forget after); "" for a dropped request
@@ -124,6 +125,7 @@ class SendTracker:
                         transfer_id,
                     )
                     self._finished.add(request_id)
+                    self._news.notify_all()
                 return
             early, _ = self._early.pop(transfer_id, (set(), 0.0))
             readers -= early
@@ -197,6 +199,7 @@ class SendTracker:
     def _release(self, transfer_id: str, request_id: str) -> None:
         """Report the request finished (caller holds the lock) and refuse later claims."""
         self._finished.add(request_id)
+        self._news.notify_all()
         self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
 
     def take_finished(self) -> set[str]:
@@ -220,6 +223,15 @@ class SendTracker:
                         del memory[transfer_id]
             finished, self._finished = self._finished, set()
         return finished
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` while blocks are held and none can be freed yet (or until
+        the soonest deadline), so an engine that only holds blocks for readers does not spin."""
+        with self._news:
+            if not self._held or self._finished:
+                return
+            soonest = min(held.deadline for held in self._held.values())
+            self._news.wait(max(0.0, min(timeout_s, soonest - self._clock())))
 
     def take_expired_count(self) -> int:
         """Releases by timeout since the last call (for stats)."""

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+#: In a step that runs no tokens, how long a worker waits for a transfer to end before it returns.
+#: vLLM steps in a tight loop while a request only waits for KV (decode) or for its readers
+#: (prefill): three or more busy processes per instance that starve the transfer threads, the
+#: other instance and, on small hosts, everything else. A transfer that ends wakes the wait.
+IDLE_STEP_WAIT_S = 0.01
+
 
 def _layer_order(name: str) -> tuple[int, str]:
     from vllm.model_executor.models.utils import extract_layer_index
@@ -196,9 +202,15 @@ class ConnectorWorker:
             for pull in orders.pulls:
                 self.receiver.submit(pull)
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
         sending: set[str] = set()
         recving: set[str] = set()
+        if idle:
+            if self.receiver is not None:
+                self.receiver.wait_for_news(IDLE_STEP_WAIT_S)
+            if self.sender is not None:
+                self.sender.tracker.wait_for_news(IDLE_STEP_WAIT_S)
         if self.sender is not None:
             sending = self.sender.tracker.take_finished()
             self.stats.record_expired(self.sender.tracker.take_expired_count())

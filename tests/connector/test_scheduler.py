@@ -203,3 +203,42 @@ def test_decode_ignores_bad_params_and_computes_locally(corrupt) -> None:
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.kv_transfer_params["do_remote_prefill"] is False
     assert d.build_step_orders().pulls == []
+
+
+def output(recving=None, sending=None):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(finished_sending=sending, finished_recving=recving)
+
+
+def test_decode_reports_only_loads_vllm_waits_for() -> None:
+    """vLLM asserts on a finished id it is not waiting for, and that kills its engine core."""
+    d = scheduler("kv_consumer")
+    loading = request("d-10", 70, prefill_params(70))
+    assert d.get_num_new_matched_tokens(loading, 0) == (70, True)
+    d.update_state_after_alloc(loading, blocks([4, 5, 6]), 70)
+    # prompt_logprobs make vLLM skip external KV: it allocates and loads nothing.
+    skipped = request("d-11", 70, prefill_params(70))
+    assert d.get_num_new_matched_tokens(skipped, 0) == (70, True)
+    d.update_state_after_alloc(skipped, blocks([7, 8, 9]), 0)
+    aborted = request("d-12", 70, prefill_params(70))
+    assert d.request_finished(aborted, []) == (False, None)
+    pulls = d.build_step_orders().pulls
+    assert [p.release_only for p in pulls] == [False, True, True]
+
+    reported = output(recving={"d-10", "d-11", "d-12"})
+    d.filter_output(reported)
+    assert reported.finished_recving == {"d-10"}
+    again = output(recving={"d-10"})  # each id reaches vLLM once
+    d.filter_output(again)
+    assert again.finished_recving is None
+
+
+def test_prefill_reports_only_blocks_it_delayed_freeing() -> None:
+    p = scheduler("kv_producer")
+    held = request("p-20", 40, {"do_remote_decode": True})
+    held.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.request_finished(held, [1, 2])[0]
+    reported = output(sending={"p-20", "never-held"})
+    p.filter_output(reported)
+    assert reported.finished_sending == {"p-20"}
