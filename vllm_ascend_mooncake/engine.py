@@ -207,8 +207,8 @@ class MooncakeEngine:
     ) -> None:
         """One asynchronous batch per descriptor, checked without spinning.
 
-        The call returns only once every submitted descriptor has *settled* (completed, failed or
-        given up by the transport), so no byte lands in local memory after it: the caller hands
+        The call returns only once every submitted descriptor has *settled* (completed, or failed
+        and finalized by the transport), so no byte lands in local memory after it: the caller hands
         failed blocks back to vLLM, which recomputes into them or gives them to another request.
         A failed descriptor therefore never ends the wait early, and a read that outlives the
         timeout is waited for once more (``SETTLE_TIMEOUTS`` timeouts) before it is reported
@@ -229,7 +229,7 @@ class MooncakeEngine:
             pending.append(batch_id)
         not_submitted = len(lengths) - len(pending) - rejected
         what = f"Mooncake read from {peer} of {len(lengths)} descriptor(s), {total} B"
-        pending, failed, timed_out = self._wait_settled(pending, time.monotonic() + budget_s)
+        pending, failed = self._wait_settled(pending, time.monotonic() + budget_s)
         if pending:
             logger.warning(
                 "%s: %d descriptor(s) still in flight after %.0f s (MC_TRANSFER_TIMEOUT); waiting "
@@ -239,7 +239,7 @@ class MooncakeEngine:
                 budget_s,
             )
             settle_by = time.monotonic() + SETTLE_TIMEOUTS * budget_s
-            pending, late_failed, late_timed_out = self._wait_settled(pending, settle_by)
+            pending, late_failed = self._wait_settled(pending, settle_by)
             if pending:
                 raise UnsettledTransfer(
                     f"{what}: {len(pending)} descriptor(s) never settled in "
@@ -248,32 +248,29 @@ class MooncakeEngine:
                 )
             raise TransferError(
                 f"{what} did not finish within {budget_s:.0f} s (MC_TRANSFER_TIMEOUT); the peer is "
-                f"stalled or overloaded ({failed + late_failed} failed, "
-                f"{timed_out + late_timed_out} timed out in the transport)"
+                f"stalled or overloaded ({failed + late_failed} descriptor(s) failed)"
             )
-        if failed or timed_out or rejected:
+        if failed or rejected:
             raise TransferError(
-                f"{what}: {failed} failed, {timed_out} timed out in the transport"
+                f"{what}: {failed} failed"
                 + (f", {rejected} refused at submission" if rejected else "")
                 + (f", {not_submitted} not submitted" if not_submitted else "")
                 + ": the peer is unreachable, restarted, or the addresses are no longer registered"
             )
 
-    def _wait_settled(self, pending: list[int], deadline: float) -> tuple[list[int], int, int]:
-        """Poll batches until each settles or ``deadline`` passes.
-
-        Returns (still in flight, failed, given up by the transport).
-        """
-        failed, timed_out = 0, 0
+    def _wait_settled(self, pending: list[int], deadline: float) -> tuple[list[int], int]:
+        """Poll batches until each settles or ``deadline`` passes: (still in flight, failed)."""
+        failed = 0
         sleep_s = POLL_FIRST_SLEEP_S
         while pending:
             still = []
             for batch_id in pending:
                 status = self._engine.transfer_check_status(batch_id)
-                if status == 0:
+                if status in (0, -2):
+                    # -2 is Mooncake's slice-age "timeout": the batch is neither finished nor
+                    # freed and its bytes may still land, so it is still in flight. Only 1
+                    # (done) and -1 (failed, finalized by the transport) are terminal.
                     still.append(batch_id)
-                elif status == -2:  # the transport gave up on it (Mooncake keeps the batch)
-                    timed_out += 1
                 elif status < 0:
                     failed += 1
             pending = still
@@ -281,7 +278,7 @@ class MooncakeEngine:
                 break
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, POLL_MAX_SLEEP_S)
-        return pending, failed, timed_out
+        return pending, failed
 
     def close(self) -> None:
         with self._lock:

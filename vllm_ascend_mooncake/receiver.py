@@ -464,7 +464,7 @@ class Receiver:
         finally:
             if state.staging is not None and self._staging is not None:
                 self._staging.release(state.staging)
-        if state.failure is None:
+        if state.failure is None and not state.pull.release_only:
             with self._lock:
                 self._stats.append(
                     PullStats(

@@ -8,6 +8,7 @@ recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails 
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import httpx
@@ -22,6 +23,7 @@ SIDE_CHANNEL_TIMEOUT_S = 2.0
 RELEASE_TIMEOUT_S = 8.0
 # Metadata fetch: 3 attempts of SIDE_CHANNEL_TIMEOUT_S plus 1.2 s of backoff, then the claim.
 FAILURE_BOUND_S = 4 * SIDE_CHANNEL_TIMEOUT_S + 1.2 + 10.0
+MAX_NUM_SEQS = 2
 PROMPT = " ".join(f"fault{i} tolerant decoding" for i in range(12))
 OTHER = "a second prompt that keeps the decode instance busy " * 3
 
@@ -83,6 +85,8 @@ def deployment(tmp_path_factory):
         release_timeout_s=RELEASE_TIMEOUT_S,
         extra_connector_config={"side_channel_timeout_s": SIDE_CHANNEL_TIMEOUT_S},
         log_dir=str(tmp_path_factory.mktemp("faults")),
+        # A small batch, so that requests queue on a busy decode (client hang-up test).
+        decode_args=("--max-num-seqs", str(MAX_NUM_SEQS)),
     )
     pd = LocalDeployment(spec)
     strict = pd.make_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
@@ -190,7 +194,7 @@ def test_decode_that_never_reads_is_released_by_prefill(deployment) -> None:
 def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> None:
     pd, strict, name, reference = deployment
     params = prefill_params(pd, name, PROMPT)
-    pd.kill_prefill()
+    pd.kill("prefill")
     started = time.monotonic()
     assert (
         tokens(completion(pd.decode.base_url, name, PROMPT, kv_transfer_params=params))
@@ -200,7 +204,7 @@ def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> Non
     assert failed.status_code >= 400
     assert time.monotonic() - started < 2 * FAILURE_BOUND_S
 
-    pd.restart_prefill()
+    pd.restart("prefill")
     # Same engine id, same ports, new worker incarnation: decode re-fetches and serves.
     assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]
     stale_params = params  # KV of the dead instance: must never be read from the new one
@@ -209,4 +213,125 @@ def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> Non
         == reference[PROMPT]
     )
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
+def assert_engines_alive(*urls: str) -> None:
+    """``/health`` is 200 only while the engine core runs, not just the API server."""
+    for url in urls:
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200, url
+
+
+def test_prompt_logprobs_through_the_proxy_keep_decode_alive(deployment) -> None:
+    """vLLM loads no external KV for a prompt_logprobs request: its pull only releases prefill's
+    hold, and reporting it to vLLM as loaded used to kill the decode engine core."""
+    pd, _, name, reference = deployment
+    for _ in range(2):  # the second one has overlapped legs
+        response = completion(pd.proxy_url, name, PROMPT, prompt_logprobs=1)
+        assert tokens(response) == reference[PROMPT]
+        assert response.json()["choices"][0]["prompt_logprobs"]
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
+def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment) -> None:
+    """Requests aborted before decode ever scheduled them release prefill's blocks and are never
+    reported to vLLM (which asserts on an id it already freed)."""
+    pd, _, name, reference = deployment
+    long_body = {"max_tokens": 120, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(MAX_NUM_SEQS + 3) as pool:
+        busy = [
+            pool.submit(completion, pd.proxy_url, name, OTHER, **long_body)
+            for _ in range(MAX_NUM_SEQS)
+        ]
+        time.sleep(2)  # decode is now full: the next requests queue there
+        leaving = [
+            pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} leaving {i}", 3.0)
+            for i in range(3)
+        ]
+        assert all(f.result() for f in leaving), "a request finished before its client left"
+        for future in busy:
+            assert future.result().status_code == 200
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+
+
+def hang_up_after(url: str, name: str, prompt: str, seconds: float) -> bool:
+    """Stream a request and hang up when no token came for ``seconds``; True if it hung up."""
+    body = {"model": name, "prompt": prompt, "max_tokens": 50, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=seconds) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.TimeoutException:
+        return True
+    return False
+
+
+def answer_or_clean_error(url: str, name: str, prompt: str, **extra) -> int:
+    """A request that a fault may break: its status (or 599 when the connection broke)."""
+    try:
+        return completion(url, name, prompt, **extra).status_code
+    except httpx.HTTPError:
+        return 599
+
+
+def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engine_id(
+    deployment,
+) -> None:
+    """Kill -9 prefill while requests run through the proxy: each ends in bounded time, decode
+    survives; restarted (same ports, new engine id, which the proxy has not seen yet), the very
+    first requests through the proxy are answered right, from transferred KV."""
+    pd, strict, name, reference = deployment
+    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]  # address known
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [
+            pool.submit(answer_or_clean_error, pd.proxy_url, name, f"{PROMPT} {i}", max_tokens=60)
+            for i in range(3)
+        ]
+        time.sleep(0.5)
+        pd.kill("prefill")
+        killed = time.monotonic()
+        statuses = [future.result() for future in running]
+    assert time.monotonic() - killed < 2 * FAILURE_BOUND_S, statuses
+    assert_engines_alive(pd.decode.base_url, strict.base_url)
+
+    pd.restart("prefill", prefill_engine_id=None)
+    failed_before = pd.transfer_totals()["failed"]
+    for prompt in (PROMPT, OTHER, PROMPT):  # overlapped legs naming the old engine id first
+        assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
+    time.sleep(2)  # transfer metrics are logged once a second
+    assert pd.transfer_totals()["failed"] == failed_before, "a pull after the restart failed"
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
+def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
+    """Kill -9 decode while it generates from pulled KV: prefill frees every block by the end of
+    its leases, and a restarted decode on the same port serves right through the proxy."""
+    pd, _, name, reference = deployment
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [
+            pool.submit(answer_or_clean_error, pd.proxy_url, name, f"{OTHER} {i}", max_tokens=80)
+            for i in range(3)
+        ]
+        time.sleep(1.0)
+        pd.kill("decode")
+        for future in running:
+            future.result()
+    wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 30)
+    assert_engines_alive(pd.prefill.base_url)
+
+    pd.restart("decode")
+    for prompt in (PROMPT, OTHER):
+        assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
+    time.sleep(2)
+    assert pd.transfer_totals()["failed"] == 0  # the restarted decode's own log
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
     wait_no_blocks_in_use(pd.decode.base_url, 30)

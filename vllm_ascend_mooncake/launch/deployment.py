@@ -85,6 +85,7 @@ class LocalDeployment:
         }
 
         self._env = env
+        self._restarts = 0
         self.prefill = self.make_server("kv_producer")
         self.decode = self.make_server("kv_consumer")
         self.proxy_port = free_port()
@@ -114,17 +115,33 @@ class LocalDeployment:
             log_path=self.log_dir / f"{name or ('prefill' if producer else 'decode')}.log",
         )
 
-    def kill_prefill(self) -> None:
-        """SIGKILL the whole prefill instance, as a crash would."""
+    def kill(self, role: str) -> None:
+        """SIGKILL a whole instance (its process group), ``"prefill"`` or ``"decode"``, as a
+        crash would."""
+        server = self._instance(role)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.prefill.pid, 9)
-        self.prefill.stop()
+            os.killpg(server.pid, 9)
+        server.stop()
 
-    def restart_prefill(self, timeout_s: float = 600.0) -> float:
-        """Start a new prefill instance on the same ports (and engine id, if fixed)."""
-        self.prefill = self.make_server("kv_producer", port=self.prefill.port, name="prefill-2")
-        self.prefill.start()
-        return self.prefill.wait_ready(timeout_s)
+    def restart(self, role: str, timeout_s: float = 600.0, **overrides: Any) -> float:
+        """Start a new ``role`` instance on the same ports; ``overrides`` replace spec fields
+        (e.g. ``prefill_engine_id=None`` for a fresh engine id). Its log gets a new name."""
+        old = self._instance(role)
+        self._restarts += 1
+        server = self.make_server(
+            "kv_producer" if role == "prefill" else "kv_consumer",
+            port=old.port,
+            name=f"{role}-{self._restarts + 1}",
+            **overrides,
+        )
+        setattr(self, role, server)
+        server.start()
+        return server.wait_ready(timeout_s)
+
+    def _instance(self, role: str) -> VllmServer:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
+        return getattr(self, role)
 
     @property
     def proxy_url(self) -> str:
@@ -198,13 +215,19 @@ class LocalDeployment:
         return last
 
     def transfer_totals(self) -> dict[str, int]:
-        """Successful and failed pulls summed over every metrics line the decode logged."""
-        totals = {"successful": 0, "failed": 0}
-        try:
-            text = self.decode.log_path.read_text(errors="replace")
-        except OSError:
-            return totals
-        for key, label in (("successful", "Num successful pulls"), ("failed", "Num failed pulls")):
+        """Successful and failed pulls summed over every metrics line the decode logged, and
+        prefill's releases by timeout (blocks no read-done notice freed)."""
+        totals = {"successful": 0, "failed": 0, "expired": 0}
+        sources = (
+            (self.decode, "successful", "Num successful pulls"),
+            (self.decode, "failed", "Num failed pulls"),
+            (self.prefill, "expired", "Num expired releases"),
+        )
+        for server, key, label in sources:
+            try:
+                text = server.log_path.read_text(errors="replace")
+            except OSError:
+                continue
             totals[key] = sum(int(n) for n in re.findall(rf"{label}=(\d+)", text))
         return totals
 

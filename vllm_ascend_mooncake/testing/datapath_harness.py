@@ -339,7 +339,8 @@ class _WorkerState:
                     num_prompt_tokens=spec.num_prompt_tokens,
                 )
             )
-        pending = {spec.request_id for spec in requests}
+        # A pull without local blocks only releases prefill's hold: like vLLM, wait for no report.
+        pending = {spec.request_id for spec in requests if spec.local_block_ids}
         deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
             done, failed = self.receiver.take_finished()
@@ -362,6 +363,12 @@ class _WorkerState:
     def resnapshot(self) -> None:
         """Accept the decode cache's current bytes as the baseline for later stray-byte checks."""
         self.snapshot = [a.copy() for a in self.memory_arrays]
+
+    def bytes_changed(self) -> int:
+        """Bytes of the decode cache that differ from the last snapshot (late writes)."""
+        return sum(
+            int((a != b).sum()) for a, b in zip(self.memory_arrays, self.snapshot, strict=True)
+        )
 
     def ceiling_read(self, bytes_per_rank: dict[int, int], chunk: int = 1 << 20) -> float:
         """The transport's ceiling: the same bytes from the same prefill ranks, read as plain
