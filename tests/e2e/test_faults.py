@@ -45,13 +45,17 @@ def tokens(response: httpx.Response) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def usage(url: str) -> float:
+def gauge(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:kv_cache_usage_perc")
+        if line.startswith((f"{name}{{", f"{name} "))
     )
+
+
+def usage(url: str) -> float:
+    return gauge(url, "vllm:kv_cache_usage_perc")
 
 
 def wait_no_blocks_in_use(url: str, within_s: float) -> None:
@@ -240,7 +244,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     """Requests aborted before decode ever scheduled them release prefill's blocks and are never
     reported to vLLM (which asserts on an id it already freed)."""
     pd, _, name, reference = deployment
-    long_body = {"max_tokens": 120, "ignore_eos": True}
+    long_body = {"max_tokens": 400, "ignore_eos": True}  # seconds of decoding each
     with concurrent.futures.ThreadPoolExecutor(MAX_NUM_SEQS + 3) as pool:
         busy = [
             pool.submit(completion, pd.proxy_url, name, OTHER, **long_body)
@@ -248,16 +252,24 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
         ]
         time.sleep(2)  # decode is now full: the next requests queue there
         leaving = [
-            pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} leaving {i}", 3.0)
+            pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
             for i in range(3)
         ]
+        time.sleep(1.0)
+        assert gauge(pd.decode.base_url, "vllm:num_requests_waiting") > 0, "nothing queued"
         assert all(f.result() for f in leaving), "a request finished before its client left"
         for future in busy:
             assert future.result().status_code == 200
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    started = time.monotonic()
     assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
     wait_no_blocks_in_use(pd.decode.base_url, 30)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    print(
+        f"[fault] clients left while queued: next request and every block freed within "
+        f"{time.monotonic() - started:.1f} s",
+        flush=True,
+    )
 
 
 def hang_up_after(url: str, name: str, prompt: str, seconds: float) -> bool:
@@ -297,13 +309,22 @@ def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engin
         pd.kill("prefill")
         killed = time.monotonic()
         statuses = [future.result() for future in running]
-    assert time.monotonic() - killed < 2 * FAILURE_BOUND_S, statuses
+    ended_s = time.monotonic() - killed
+    assert ended_s < 2 * FAILURE_BOUND_S, statuses
     assert_engines_alive(pd.decode.base_url, strict.base_url)
 
-    pd.restart("prefill", prefill_engine_id=None)
+    restart_s = pd.restart("prefill", prefill_engine_id=None)
     failed_before = pd.transfer_totals()["failed"]
+    first_s = []
     for prompt in (PROMPT, OTHER, PROMPT):  # overlapped legs naming the old engine id first
+        started = time.monotonic()
         assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
+        first_s.append(round(time.monotonic() - started, 2))
+    print(
+        f"[fault] prefill killed: in-flight requests ended {ended_s:.1f} s later with {statuses}; "
+        f"restart took {restart_s:.0f} s; the next requests took {first_s} s",
+        flush=True,
+    )
     time.sleep(2)  # transfer metrics are logged once a second
     assert pd.transfer_totals()["failed"] == failed_before, "a pull after the restart failed"
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
@@ -322,9 +343,14 @@ def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
         ]
         time.sleep(1.0)
         pd.kill("decode")
-        for future in running:
-            future.result()
+        killed = time.monotonic()
+        statuses = [future.result() for future in running]
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 30)
+    print(
+        f"[fault] decode killed: requests ended with {statuses}; prefill freed every block "
+        f"{time.monotonic() - killed:.1f} s later (release_timeout_s {RELEASE_TIMEOUT_S:.0f})",
+        flush=True,
+    )
     assert_engines_alive(pd.prefill.base_url)
 
     pd.restart("decode")
