@@ -126,3 +126,25 @@ def test_a_reused_transfer_id_frees_the_second_request_at_once() -> None:
     assert t.take_finished() == {"vllm-1"}
     t.hold("t", request_id="vllm-1")  # a stale order after release
     assert t.take_finished() == set()
+
+
+def test_an_idle_engine_step_sleeps_until_a_hold_can_be_freed() -> None:
+    """vLLM steps in a tight loop while prefill only holds blocks; the worker waits here instead
+    (woken by the release), so the spinning does not starve the readers on a shared host."""
+    import threading
+    import time
+
+    t = SendTracker(TransferTopology(4, 1, 1), 0, 10.0)
+    t.wait_for_news(5.0)  # nothing held: returns at once
+    t.hold("r")
+    started = time.monotonic()
+    t.wait_for_news(0.05)  # held, nobody reads: waits out the timeout
+    assert time.monotonic() - started >= 0.04
+    threading.Timer(0.1, t.read_done, ("r", 0, True)).start()
+    started = time.monotonic()
+    t.wait_for_news(5.0)
+    assert time.monotonic() - started < 2.0, "the release did not wake the wait"
+    assert t.take_finished() == {"r"}
+    started = time.monotonic()
+    t.wait_for_news(5.0)  # nothing held any more
+    assert time.monotonic() - started < 1.0

@@ -101,8 +101,8 @@ def assert_clean_transfers(pd: LocalDeployment, requests: int) -> None:
     logs = f"see {pd.log_dir}"
     assert totals["failed"] == 0, (totals, logs)
     assert totals["expired"] == 0, (totals, logs)
-    # With kv_load_failure_policy=fail, a failed pull on any rank errors its request, so 200
-    # answers and zero failures mean every rank of every request pulled. The success counter
-    # comes through vLLM's stats pipeline, which once dropped one rank's observation (see the
-    # closing note of the stop that added this check), hence a range rather than equality.
-    assert requests <= totals["successful"] <= requests * pd.spec.decode_tp, (totals, logs)
+    # Under kv_load_failure_policy=fail a failed pull on any rank errors its request, so the
+    # 200 answers the callers checked mean every rank of every request pulled. The counters
+    # travel through vLLM's stats pipeline, which was seen to drop observations (5 of 7 pulls
+    # counted at decode TP 1, all 7 answers right): an open bug, so they bound, not prove.
+    assert 1 <= totals["successful"] <= requests * pd.spec.decode_tp, (totals, logs)
