@@ -57,6 +57,9 @@ class ConnectorScheduler:
         self._remote: dict[str, RemotePrefill] = {}
         self._orders = StepOrders()
         self._loading: set[str] = set()  # async loads vLLM waits for in finished_recving
+        # transfer id -> the live request that pulls it: the sequences of an n > 1 request share
+        # their params, but prefill holds one copy and frees it after the first read
+        self._pulling: dict[str, str] = {}
         self._holding: set[str] = set()  # delayed frees vLLM waits for in finished_sending
 
     # -- decode ------------------------------------------------------------------------------
@@ -67,6 +70,18 @@ class ConnectorScheduler:
             return self._remote[request.request_id]
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            return None
+        transfer_id = params.get("remote_request_id")
+        owner = self._pulling.get(transfer_id) if isinstance(transfer_id, str) else None
+        if owner is not None and owner != request.request_id:
+            logger.info(
+                "request %s: transfer %s is pulled by request %s (n > 1 shares params); "
+                "computing this one locally, from the prefix cache where it can",
+                request.request_id,
+                transfer_id,
+                owner,
+            )
+            params["do_remote_prefill"] = False
             return None
         if self.config.is_producer:
             logger.warning(
@@ -92,6 +107,7 @@ class ConnectorScheduler:
             params["do_remote_prefill"] = False
             return None
         self._remote[request.request_id] = remote
+        self._pulling[remote.remote_request_id] = request.request_id
         return remote
 
     def get_num_new_matched_tokens(
@@ -157,6 +173,9 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        transfer_id = params.get("remote_request_id")
+        if isinstance(transfer_id, str) and self._pulling.get(transfer_id) == request.request_id:
+            del self._pulling[transfer_id]
         if params.get("do_remote_prefill"):
             # Finished before it was ever scheduled (aborted or rejected): an empty pull tells
             # the prefill ranks to free their blocks now instead of at their timeout.

@@ -218,10 +218,10 @@ def test_decode_reports_only_loads_vllm_waits_for() -> None:
     assert d.get_num_new_matched_tokens(loading, 0) == (70, True)
     d.update_state_after_alloc(loading, blocks([4, 5, 6]), 70)
     # prompt_logprobs make vLLM skip external KV: it allocates and loads nothing.
-    skipped = request("d-11", 70, prefill_params(70))
+    skipped = request("d-11", 70, {**prefill_params(70), "remote_request_id": "p-11"})
     assert d.get_num_new_matched_tokens(skipped, 0) == (70, True)
     d.update_state_after_alloc(skipped, blocks([7, 8, 9]), 0)
-    aborted = request("d-12", 70, prefill_params(70))
+    aborted = request("d-12", 70, {**prefill_params(70), "remote_request_id": "p-12"})
     assert d.request_finished(aborted, []) == (False, None)
     pulls = d.build_step_orders().pulls
     assert [p.release_only for p in pulls] == [False, True, True]
@@ -242,3 +242,20 @@ def test_prefill_reports_only_blocks_it_delayed_freeing() -> None:
     reported = output(sending={"p-20", "never-held"})
     p.filter_output(reported)
     assert reported.finished_sending == {"p-20"}
+
+
+def test_sequences_of_one_request_pull_its_transfer_once() -> None:
+    """n > 1: every sequence carries the same params, but prefill holds one copy and frees it
+    after the first read; the other sequences compute locally instead of failing their pull."""
+    d = scheduler("kv_consumer")
+    params = prefill_params(70)
+    first = request("0_d-20", 70, dict(params))
+    second = request("1_d-20", 70, dict(params))
+    assert d.get_num_new_matched_tokens(first, 0) == (70, True)
+    assert d.get_num_new_matched_tokens(second, 0) == (0, False)
+    assert second.kv_transfer_params["do_remote_prefill"] is False
+    d.update_state_after_alloc(first, blocks([4, 5, 6]), 70)
+    first.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    d.request_finished(first, [4, 5, 6])
+    third = request("2_d-20", 70, dict(params))  # a later request naming it again: its own pull
+    assert d.get_num_new_matched_tokens(third, 0) == (70, True)

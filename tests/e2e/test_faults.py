@@ -240,6 +240,27 @@ def test_prompt_logprobs_through_the_proxy_keep_decode_alive(deployment) -> None
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
+def test_several_sequences_per_request_pull_once_and_answer_right(deployment) -> None:
+    """n > 1: the proxy prefills one sequence; decode's sequences share the params, the first
+    pulls and the others compute locally (prefill frees its copy after the first read)."""
+    pd, _, name, _ = deployment
+    sampling = {"n": 2, "temperature": 0.8, "seed": 7}
+    colocated = completion(pd.prefill.base_url, name, PROMPT, **sampling)
+    assert colocated.status_code == 200, colocated.text
+    failed_before = pd.transfer_totals()["failed"]
+    for _ in range(2):
+        response = completion(pd.proxy_url, name, PROMPT, **sampling)
+        assert response.status_code == 200, response.text
+        assert [c["text"] for c in response.json()["choices"]] == [
+            c["text"] for c in colocated.json()["choices"]
+        ]
+    time.sleep(2)  # transfer metrics are logged once a second
+    assert pd.transfer_totals()["failed"] == failed_before
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
 def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment) -> None:
     """Requests aborted before decode ever scheduled them release prefill's blocks and are never
     reported to vLLM (which asserts on an id it already freed)."""

@@ -139,6 +139,8 @@ def test_streamed_request_relays_each_event_as_the_decode_sends_it(
         "stream": True,
         "stream_options": {"include_usage": True},
         "min_tokens": 2,
+        "n": 2,
+        "temperature": 0.8,
     }
     first_event, *later_events = fleet.decode_a.stream_events(path)
     fleet.decode_a.stream_gate.clear()  # the decode sends its first event, then waits
@@ -161,6 +163,7 @@ def test_streamed_request_relays_each_event_as_the_decode_sends_it(
     assert prefill["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
     assert "stream_options" not in prefill
     assert "min_tokens" not in prefill
+    assert prefill["n"] == 1  # the prompt's KV once, not once per sequence
     assert only_request(fleet.decode_a) == {
         **client_body,
         "kv_transfer_params": fleet.prefill_a.kv_transfer_params,

@@ -20,7 +20,7 @@ PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": Fal
 
 #: Keys that only make sense for the decode leg: the prefill leg is one non-streamed token, and
 #: vLLM rejects ``min_tokens`` greater than ``max_tokens``.
-_DECODE_ONLY_KEYS = ("stream_options", "min_tokens")
+_DECODE_ONLY_KEYS = ("stream_options", "min_tokens", "best_of")
 
 
 def _json_type_name(value: Any) -> str:
@@ -34,9 +34,13 @@ class InvalidPrefillResponse(ValueError):
 
 
 def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
-    """Return the client's request rewritten for the prefill leg: one token, not streamed."""
+    """Return the client's request rewritten for the prefill leg: one token of one sequence,
+    not streamed. With ``n`` > 1 prefill would hold the prompt's KV once per sequence, and
+    decode reads only the copy its answer names: the others would wait for their timeout."""
     body = {key: value for key, value in client_body.items() if key not in _DECODE_ONLY_KEYS}
     body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    if "n" in body:
+        body["n"] = 1
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
