@@ -4,16 +4,19 @@ Installed through the ``vllm.general_plugins`` entry point, which vLLM loads in 
 core and every worker before configs are built. Registration is lazy (vLLM imports the module only
 when the connector is used) and idempotent, because vLLM may load plugins more than once. The name
 differs from vLLM's own ``MooncakeConnector`` and vllm-ascend's ``MooncakeConnectorV1``.
+Loading in every process is also where :mod:`.busy_wait` applies its opt-in setting.
 """
 
 from __future__ import annotations
 
+from .busy_wait import apply_from_env
 from .config import CONNECTOR_NAME
 
 CONNECTOR_MODULE = "vllm_ascend_mooncake.connector"
 
 
 def register() -> None:
+    apply_from_env()  # opt-in (VAM_SHM_BUSY_WAIT_S): shorter busy-wait between vLLM processes
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME in KVConnectorFactory._registry:

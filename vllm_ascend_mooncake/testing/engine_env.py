@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from ..busy_wait import BUSY_WAIT_ENV
+
 #: GiB of KV cache a CPU engine reserves when the caller does not say; vLLM's own default (4 GiB
 #: when unset) is too much for several engines side by side on a small machine.
 DEFAULT_KVCACHE_SPACE_GIB = 1
@@ -31,6 +33,9 @@ def engine_env(
       ``torch.compile``-decorated) and the first request asking for logprobs compiles another;
       on a loaded 2-core machine that stalled first requests for up to ~100 s. Disabling
       torch.compile removes the stall and changes no output.
+    * ``VAM_SHM_BUSY_WAIT_S=0.005``: vLLM's processes busy-wait 1 s for each other after every
+      step; with prefill and decode on the same two cores each instance's spinning starves the
+      other (decode's inter-token latency was 16x colocated); see :mod:`..busy_wait`.
     """
     if kvcache_space_gib <= 0:
         raise ValueError(f"kvcache_space_gib must be positive, got {kvcache_space_gib}")
@@ -43,6 +48,7 @@ def engine_env(
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "TORCH_COMPILE_DISABLE": "1",
+        BUSY_WAIT_ENV: "0.005",
     }
 
 
