@@ -68,10 +68,19 @@ class ReceiverOptions:
 
 @dataclass(frozen=True)
 class PullFailure:
-    """A request whose KV could not be loaded: these local blocks hold garbage."""
+    """A request whose KV could not be loaded: these local blocks hold garbage.
+
+    ``cancelled``: vLLM finished (aborted) the request while it waited for prefill, and the pull
+    gave up before reading; not a transfer failure.
+    """
 
     local_block_ids: tuple[int, ...]
     reason: str
+    cancelled: bool = False
+
+
+class PullCancelled(RuntimeError):
+    """The request finished in vLLM before prefill granted its read; nothing was read."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,7 @@ class _InFlight:
     started: float
     staging: StagingArea | None = None
     failure: str | None = None
+    cancelled: bool = False  # the failure is a cancellation (see PullCancelled)
     quarantined: bool = False  # a read may still write its local memory: never report it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -188,6 +198,8 @@ class Receiver:
         self._waited_for = 0  # pulls vLLM waits for that have not ended yet
         self._done: set[str] = set()
         self._failed: dict[str, PullFailure] = {}
+        self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
+        self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
         self._stats: list[PullStats] = []
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="vam-recv-dispatch", daemon=True
@@ -200,7 +212,22 @@ class Receiver:
         if not pull.release_only:
             with self._lock:
                 self._waited_for += 1
+                self._in_flight.add(pull.request_id)
         self._queue.put(pull)
+
+    def cancel(self, request_id: str) -> None:
+        """vLLM finished the request while its KV loads: a pull still waiting for prefill's
+        grant gives up at its next ask (within ``claim_park_s``). Reads already under way run to
+        the end: a Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
+        with self._lock:
+            if request_id in self._in_flight:
+                self._cancelled.add(request_id)
+
+    def _check_cancelled(self, pull: PullRequest) -> None:
+        with self._lock:
+            cancelled = pull.request_id in self._cancelled
+        if cancelled:
+            raise PullCancelled(f"request {pull.request_id} finished before prefill granted it")
 
     def wait_for_news(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
@@ -243,10 +270,12 @@ class Receiver:
         try:
             self._start(pull, peers)
         except Exception as exc:
-            logger.warning("cannot pull KV for request %s: %s", pull.request_id, exc)
+            cancelled = isinstance(exc, PullCancelled)
+            log = logger.info if cancelled else logger.warning
+            log("cannot pull KV for request %s: %s", pull.request_id, exc)
             for peer in peers.values():  # release what was looked up; others expire it
                 self._notify(peer, pull.transfer_id, str(exc))
-            self._finish(pull, failure=str(exc))
+            self._finish(pull, failure=str(exc), cancelled=cancelled)
 
     def _needs_staging(self, pull_heads: int, remote: Sequence[Region]) -> bool:
         if not self._local_regions:
@@ -347,6 +376,7 @@ class Receiver:
         )
         silent = 0
         while True:
+            self._check_cancelled(pull)
             sent_at = time.monotonic()
             try:
                 reply = self._client.request(peer.host, peer.port, message)
@@ -397,6 +427,8 @@ class Receiver:
                 failure = str(exc)
                 if isinstance(exc, UnsettledTransfer):
                     state.quarantined = True
+                if isinstance(exc, PullCancelled):  # renewing a lease that waited in the queue
+                    state.cancelled = True
                 self._peers.invalidate(peer.host, peer.port)
                 logger.warning(
                     "request %s: read from prefill rank %d (%s) failed: %s",
@@ -453,6 +485,8 @@ class Receiver:
             )
             with self._lock:
                 self._waited_for -= 1  # nothing to wait for: it is never reported
+                self._in_flight.discard(state.pull.request_id)
+                self._cancelled.discard(state.pull.request_id)
             return
         fixup_started = time.perf_counter()
         try:
@@ -475,9 +509,9 @@ class Receiver:
                         time.perf_counter() - fixup_started,
                     )
                 )
-        self._finish(state.pull, state.failure)
+        self._finish(state.pull, state.failure, cancelled=state.cancelled)
 
-    def _finish(self, pull: PullRequest, failure: str | None) -> None:
+    def _finish(self, pull: PullRequest, failure: str | None, cancelled: bool = False) -> None:
         if pull.release_only:
             if failure is not None:
                 logger.info(
@@ -488,7 +522,11 @@ class Receiver:
             if failure is None:
                 self._done.add(pull.request_id)
             else:
-                self._failed[pull.request_id] = PullFailure(tuple(pull.local_block_ids), failure)
+                self._failed[pull.request_id] = PullFailure(
+                    tuple(pull.local_block_ids), failure, cancelled
+                )
+            self._in_flight.discard(pull.request_id)
+            self._cancelled.discard(pull.request_id)
             self._waited_for -= 1
             self._news.notify_all()
 

@@ -44,6 +44,8 @@ class StepOrders:
     pulls: list[PullRequest] = field(default_factory=list)
     holds: list[HoldRequest] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # transfer ids prefill will never hand off
+    # requests that finished (aborted) while their KV was loading: stop waiting for prefill
+    cancels: list[str] = field(default_factory=list)
     idle: bool = False  # the step runs no tokens: workers may wait a little for transfers
 
 
@@ -176,6 +178,10 @@ class ConnectorScheduler:
         transfer_id = params.get("remote_request_id")
         if isinstance(transfer_id, str) and self._pulling.get(transfer_id) == request.request_id:
             del self._pulling[transfer_id]
+        if request.request_id in self._loading:
+            # Aborted while loading: vLLM keeps its blocks until the load is reported, so a
+            # pull still waiting for prefill should give up now rather than at prefill_wait_s.
+            self._orders.cancels.append(request.request_id)
         if params.get("do_remote_prefill"):
             # Finished before it was ever scheduled (aborted or rejected): an empty pull tells
             # the prefill ranks to free their blocks now instead of at their timeout.

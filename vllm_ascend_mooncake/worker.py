@@ -201,6 +201,8 @@ class ConnectorWorker:
         if self.receiver is not None:
             for pull in orders.pulls:
                 self.receiver.submit(pull)
+            for request_id in orders.cancels:
+                self.receiver.cancel(request_id)
 
     def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
@@ -218,6 +220,9 @@ class ConnectorWorker:
             done, failed = self.receiver.take_finished()
             recving = done | set(failed)
             for request_id, failure in failed.items():
+                if failure.cancelled:  # vLLM frees the blocks of a finished request unused
+                    logger.info("KV load of request %s cancelled: %s", request_id, failure.reason)
+                    continue
                 logger.warning("KV load failed for request %s: %s", request_id, failure.reason)
                 self._load_errors.update(failure.local_block_ids)
                 self.stats.record_failure()

@@ -259,3 +259,25 @@ def test_sequences_of_one_request_pull_its_transfer_once() -> None:
     d.request_finished(first, [4, 5, 6])
     third = request("2_d-20", 70, dict(params))  # a later request naming it again: its own pull
     assert d.get_num_new_matched_tokens(third, 0) == (70, True)
+
+
+def test_requests_aborted_while_loading_cancel_their_pull_and_are_still_reported() -> None:
+    """vLLM keeps an aborted loading request's blocks until its load is reported: the workers are
+    told to stop waiting for prefill, and the report still reaches vLLM exactly once."""
+    d = scheduler("kv_consumer")
+    leaving = request("d-30", 70, prefill_params(70))
+    staying = request("d-31", 70, {**prefill_params(70), "remote_request_id": "p-31"})
+    for r, ids in ((leaving, [4, 5, 6]), (staying, [7, 8, 9])):
+        assert d.get_num_new_matched_tokens(r, 0) == (70, True)
+        d.update_state_after_alloc(r, blocks(ids), 70)
+    assert d.build_step_orders().cancels == []
+    leaving.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(leaving, [4, 5, 6]) == (False, None)
+    orders = d.build_step_orders()
+    assert orders.cancels == ["d-30"] and orders.pulls == []  # its pull is already under way
+    reported = output(recving={"d-30", "d-31"})
+    d.filter_output(reported)
+    assert reported.finished_recving == {"d-30", "d-31"}
+    staying.status = RequestStatus.FINISHED_LENGTH_CAPPED  # finished after its load: no cancel
+    d.request_finished(staying, [7, 8, 9])
+    assert d.build_step_orders().cancels == []

@@ -300,3 +300,43 @@ def test_a_read_outliving_the_timeout_is_reported_only_once_no_byte_can_land() -
     else:
         assert outcome.done == ["big"] and outcome.wrong_requests == {}
         assert reported_after > thaw_after_s and late_bytes == 0
+
+
+def test_a_pull_cancelled_while_waiting_for_prefill_gives_up_at_once_and_releases(workers):
+    """vLLM aborts a request whose KV is loading (its client left) while prefill has not handed
+    off yet: the pull stops waiting at its next ask instead of at ``prefill_wait_s``, reads
+    nothing, is reported cancelled (not a transfer failure), and prefill frees the hold it
+    registers later at once. Other pulls are untouched."""
+    case = CaseSpec(
+        name="cancel",
+        heads=4,
+        prefill_tp=2,
+        decode_tp=1,
+        layout="vllm_head_major",
+        base_port=free_port_range(2),
+    )
+    leaving = RequestSpec("leaving", "t-leaving", (0, 1), (3, 4), early=True)
+    staying = RequestSpec("staying", "t-staying", (2, 3), (5, 6), early=True)
+    prefill, decode = workers
+    for rank in range(2):
+        prefill[rank].call("setup_prefill", case, rank)
+    decode[0].call("setup_decode", case, 0)
+    try:
+        decode[0].send("pull", [leaving, staying], 60.0, {"leaving": 0.3})
+        time.sleep(3.0)  # prefill still computing both; "leaving" is cancelled meanwhile
+        for rank in range(2):
+            prefill[rank].call("hold", [staying, leaving])
+        outcome = decode[0].receive(120)
+        finished = [
+            prefill[rank].call("collect_finished", [s.transfer_id for s in (leaving, staying)], 30)
+            for rank in range(2)
+        ]
+    finally:
+        for rank in range(2):
+            prefill[rank].call("teardown")
+        decode[0].call("teardown")
+    assert outcome.done == ["staying"] and outcome.wrong_requests == {}
+    assert outcome.cancelled == ["leaving"], outcome.failed
+    assert outcome.stray_bytes == 0
+    for report in finished:  # the cancelled reader's notice frees the later hold at once
+        assert report["counts"] == {"t-leaving": 1, "t-staying": 1} and report["expired"] == 0

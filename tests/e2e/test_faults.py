@@ -293,6 +293,46 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     )
 
 
+def test_clients_leaving_while_prefill_still_computes_cancel_their_pull(deployment) -> None:
+    """Overlapped legs: decode was admitted and waits for prefill's grant when the client leaves
+    (prefill frozen, as on a stalled host). Decode stops waiting at once instead of holding its
+    blocks until ``prefill_wait_s``, counts no failed pull, and prefill frees what it finishes
+    later on decode's notice, not at its release timeout."""
+    pd, _, name, reference = deployment
+    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]  # overlapped now
+    before = pd.transfer_totals()
+    cancelled_before = pd.decode.log_path.read_text(errors="replace").count("cancelled")
+    pd.freeze("prefill")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            leaving = [
+                pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} computing {i}", 1.0)
+                for i in range(2)
+            ]
+            assert all(f.result() for f in leaving), "a request finished while prefill was frozen"
+        time.sleep(0.5)
+        assert gauge(pd.decode.base_url, "vllm:num_requests_waiting") == 0
+    finally:
+        pd.thaw("prefill")
+    started = time.monotonic()
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    freed_s = time.monotonic() - started
+    assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
+    time.sleep(2)  # transfer metrics are logged once a second
+    after = pd.transfer_totals()
+    assert after["failed"] == before["failed"], "a cancelled pull was counted as failed"
+    assert after["expired"] == before["expired"], "prefill freed a hold at its timeout"
+    log = pd.decode.log_path.read_text(errors="replace")
+    assert log.count("cancelled") >= cancelled_before + 2, "decode did not cancel the pulls"
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    print(
+        f"[fault] clients left while prefill computed: every block free {freed_s:.1f} s after "
+        f"prefill resumed",
+        flush=True,
+    )
+
+
 def hang_up_after(url: str, name: str, prompt: str, seconds: float) -> bool:
     """Stream a request and hang up when no token came for ``seconds``; True if it hung up."""
     body = {"model": name, "prompt": prompt, "max_tokens": 50, "temperature": 0, "stream": True}

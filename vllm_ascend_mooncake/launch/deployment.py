@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,14 @@ class LocalDeployment:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, 9)
         server.stop()
+
+    def freeze(self, role: str) -> None:
+        """SIGSTOP a whole instance, as a host stall would: it answers nothing until thawed."""
+        os.killpg(self._instance(role).pid, signal.SIGSTOP)
+
+    def thaw(self, role: str) -> None:
+        """SIGCONT an instance stopped by :meth:`freeze`."""
+        os.killpg(self._instance(role).pid, signal.SIGCONT)
 
     def restart(self, role: str, timeout_s: float = 600.0, **overrides: Any) -> float:
         """Start a new ``role`` instance on the same ports; ``overrides`` replace spec fields

@@ -49,6 +49,9 @@ CONNECT_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 5.0
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+#: What the proxy logs as the status of a request whose client left first (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
 #: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
 _FORWARDED_HEADERS = ("Authorization",)
 
@@ -138,6 +141,12 @@ class _UpstreamStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has closed its connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class DisaggregatingProxy:
@@ -276,7 +285,24 @@ class DisaggregatingProxy:
         for name in _FORWARDED_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
+        routing = asyncio.create_task(self._route(path, headers, client_body, request_id))
+        hang_up = asyncio.create_task(_client_gone(request))
+        await asyncio.wait((routing, hang_up), return_when=asyncio.FIRST_COMPLETED)
+        hang_up.cancel()  # the response (a stream relays its own) now owns the connection
+        if not routing.done():
+            # The client left before an answer was ready (prefill still computing, or a
+            # non-streamed decode): cancelling closes both legs, which makes vLLM abort them.
+            routing.cancel()
+            await asyncio.wait((routing,))
+            logger.info(
+                "request %s: the client left before its answer; both legs closed", request_id
+            )
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return routing.result()
 
+    async def _route(
+        self, path: str, headers: dict[str, str], client_body: dict[str, Any], request_id: str
+    ) -> Response:
         try:
             if self.overlap_legs:
                 prefill_upstream = self.prefill.ranked()[0]

@@ -101,6 +101,7 @@ class RequestSpec:
 class PullOutcome:
     done: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)  # of the failed: gave up, read nothing
     wrong_requests: dict[str, str] = field(default_factory=dict)
     stray_bytes: int = 0
     seconds: float = 0.0
@@ -321,7 +322,14 @@ class _WorkerState:
         )
         return self.engine.session
 
-    def pull(self, requests: list[RequestSpec], timeout_s: float) -> PullOutcome:
+    def pull(
+        self,
+        requests: list[RequestSpec],
+        timeout_s: float,
+        cancel_after_s: dict[str, float] | None = None,
+    ) -> PullOutcome:
+        """Pull ``requests`` and wait for every report; ``cancel_after_s`` (request id -> delay)
+        cancels requests as vLLM does for one aborted while its KV loads."""
         from ..pull import PullRequest
 
         case = self.case
@@ -342,10 +350,14 @@ class _WorkerState:
         # A pull without local blocks only releases prefill's hold: like vLLM, wait for no report.
         pending = {spec.request_id for spec in requests if spec.local_block_ids}
         deadline = time.monotonic() + timeout_s
+        cancels = sorted((started + delay, rid) for rid, delay in (cancel_after_s or {}).items())
         while pending and time.monotonic() < deadline:
+            while cancels and time.perf_counter() >= cancels[0][0]:
+                self.receiver.cancel(cancels.pop(0)[1])
             done, failed = self.receiver.take_finished()
             outcome.done.extend(done)
             outcome.failed.update({r: f.reason for r, f in failed.items()})
+            outcome.cancelled.extend(r for r, f in failed.items() if f.cancelled)
             pending -= done | set(failed)
             time.sleep(0.002)
         outcome.seconds = time.perf_counter() - started
