@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -48,3 +48,5 @@ class HoldRequest:
     transfer_id: str  # what decode claims and reports reads under
     block_ids: tuple[int, ...]
     num_prompt_tokens: int
+    #: wall-clock time vLLM finished the request (scheduler process), for the hold-delay metric
+    finished_at: float = field(default=0.0, compare=False)

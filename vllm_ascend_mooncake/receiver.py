@@ -40,6 +40,7 @@ from .plan import PeerPlan, PlanOptions, RequestPlan, StagingArea, TransferBatch
 from .pull import PullRequest
 from .relayout import LocalMemory, apply_row_copies, apply_swaps
 from .side_channel import PeerRefused, SideChannelClient, SideChannelError
+from .timeline import PullTimeline
 from .topology import TransferTopology, request_seed
 from .wire import ClaimRead, ClaimReply, ReadDone
 
@@ -90,6 +91,8 @@ class PullStats:
     num_descriptors: int
     seconds: float  # first read to KV ready
     fixup_seconds: float = 0.0
+    timeline: PullTimeline | None = None  # the worker stamps ``reported`` when it takes these
+    transfer_id: str = ""  # joins this decode rank's timeline to prefill's log lines
 
 
 class StagingPool:
@@ -127,6 +130,7 @@ class _InFlight:
     peers: dict[int, _Peer]
     remaining: int
     started: float
+    timeline: PullTimeline
     staging: StagingArea | None = None
     failure: str | None = None
     cancelled: bool = False  # the failure is a cancellation (see PullCancelled)
@@ -192,7 +196,7 @@ class Receiver:
             backoff_s=self._options.notify_backoff_s,
             per_turn=self._options.requests_per_turn,
         )
-        self._queue: queue.Queue[PullRequest | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[PullRequest, PullTimeline] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # a pull vLLM waits for has ended
         self._waited_for = 0  # pulls vLLM waits for that have not ended yet
@@ -213,7 +217,7 @@ class Receiver:
             with self._lock:
                 self._waited_for += 1
                 self._in_flight.add(pull.request_id)
-        self._queue.put(pull)
+        self._queue.put((pull, PullTimeline(submitted=time.monotonic())))
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's
@@ -262,13 +266,13 @@ class Receiver:
     # -- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        while (pull := self._queue.get()) is not None:
-            self._prepare_pool.submit(self._prepare, pull)
+        while (item := self._queue.get()) is not None:
+            self._prepare_pool.submit(self._prepare, *item)
 
-    def _prepare(self, pull: PullRequest) -> None:
+    def _prepare(self, pull: PullRequest, timeline: PullTimeline) -> None:
         peers: dict[int, _Peer] = {}
         try:
-            self._start(pull, peers)
+            self._start(pull, peers, timeline)
         except Exception as exc:
             cancelled = isinstance(exc, PullCancelled)
             log = logger.info if cancelled else logger.warning
@@ -283,7 +287,7 @@ class Receiver:
         order = effective_order(self._local_regions[0].layout, remote[0].layout)
         return order is BlockOrder.TOKEN_MAJOR and pull_heads < remote[0].layout.num_heads
 
-    def _start(self, pull: PullRequest, peers: dict[int, _Peer]) -> None:
+    def _start(self, pull: PullRequest, peers: dict[int, _Peer], timeline: PullTimeline) -> None:
         seed = request_seed(pull.transfer_id)
         pulls = self._topology.pulls_for(self._rank, seed)
         remote_tables: dict[int, list[Region]] = {}
@@ -302,6 +306,7 @@ class Receiver:
                 granted = self._first_claim(pull, peer, remote_tables)
                 if pull.early:
                     remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
+        timeline.granted = time.monotonic()
         staging = None
         if pull.local_block_ids and self._needs_staging(
             pulls[0].num_heads, remote_tables[pulls[0].prefill_rank]
@@ -330,7 +335,9 @@ class Receiver:
             if staging is not None:
                 self._staging.release(staging)
             raise
-        state = _InFlight(pull, plan, dict(peers), len(peers), time.perf_counter(), staging)
+        state = _InFlight(
+            pull, plan, dict(peers), len(peers), time.perf_counter(), timeline, staging
+        )
         for peer_plan in plan.peers:
             if peer_plan.batches:
                 self._lane(peers[peer_plan.prefill_rank].te_session).push((state, peer_plan))
@@ -420,6 +427,8 @@ class Receiver:
     def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
         peer = state.peers[peer_plan.prefill_rank]
         failure = None
+        with state.lock:
+            state.timeline.mark_first_read(time.monotonic())
         if state.failure is None and peer_plan.batches:
             try:
                 self._read_leased(state.pull, peer, peer_plan)
@@ -444,6 +453,7 @@ class Receiver:
             state.remaining -= 1
             last = state.remaining == 0
         if last:
+            state.timeline.landed = time.monotonic()
             self._complete(state)
 
     def _read_leased(self, pull: PullRequest, peer: _Peer, peer_plan: PeerPlan) -> None:
@@ -498,6 +508,7 @@ class Receiver:
         finally:
             if state.staging is not None and self._staging is not None:
                 self._staging.release(state.staging)
+        state.timeline.fixed_up = time.monotonic()
         if state.failure is None and not state.pull.release_only:
             with self._lock:
                 self._stats.append(
@@ -507,6 +518,8 @@ class Receiver:
                         state.plan.num_descriptors,
                         time.perf_counter() - state.started,
                         time.perf_counter() - fixup_started,
+                        state.timeline,
+                        state.pull.transfer_id,
                     )
                 )
         self._finish(state.pull, state.failure, cancelled=state.cancelled)

@@ -21,6 +21,7 @@ reported at all.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -207,7 +208,11 @@ class ConnectorScheduler:
         self._holding.add(request.request_id)
         self._orders.holds.append(
             HoldRequest(
-                request.request_id, transfer_id, tuple(prompt_blocks), request.num_prompt_tokens
+                request.request_id,
+                transfer_id,
+                tuple(prompt_blocks),
+                request.num_prompt_tokens,
+                finished_at=time.time(),
             )
         )
         return True, RemotePrefill(

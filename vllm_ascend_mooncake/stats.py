@@ -1,8 +1,10 @@
 """Transfer statistics, aggregated across workers and logged the vLLM way ("KV Transfer metrics").
 
-Workers record each completed pull (duration, bytes, descriptors), failed pulls and prefill-side
-releases by timeout; vLLM ships the plain ``data`` dict to the logging process, where
-:meth:`TransferStats.reduce` turns an interval's observations into a few numbers.
+Workers record each completed pull (duration, bytes, descriptors, and the seconds spent in each
+phase of its :mod:`.timeline`), failed pulls, and on prefill the releases by timeout and how long
+a finished request waited for its hold to be registered; vLLM ships the plain ``data`` dict to the
+logging process, where :meth:`TransferStats.reduce` turns an interval's observations into a few
+numbers and :class:`TransferPromMetrics` into histograms.
 """
 
 from __future__ import annotations
@@ -17,7 +19,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_FIELDS = ("pull_seconds", "pull_bytes", "pull_descriptors", "failed_pulls", "expired_releases")
+from .timeline import PHASES
+
+_PHASE_FIELDS = tuple(f"phase_{name}_seconds" for name in PHASES)
+_FIELDS = (
+    "pull_seconds",
+    "pull_bytes",
+    "pull_descriptors",
+    "failed_pulls",
+    "expired_releases",
+    "hold_delay_seconds",
+    *_PHASE_FIELDS,
+)
+#: Fields logged as a mean per interval: (label, field).
+_AVERAGED = (
+    ("hold delay", "hold_delay_seconds"),
+    *((phase.replace("_", " "), f"phase_{phase}_seconds") for phase in PHASES),
+)
+_PHASE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]
 
 
 @dataclass
@@ -39,11 +58,24 @@ class TransferStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {name: [] for name in _FIELDS}
 
-    def record_pull(self, seconds: float, num_bytes: int, num_descriptors: int) -> None:
+    def record_pull(
+        self,
+        seconds: float,
+        num_bytes: int,
+        num_descriptors: int,
+        phases: dict[str, float] | None = None,
+    ) -> None:
         with self._lock:
             self.data["pull_seconds"].append(seconds)
             self.data["pull_bytes"].append(num_bytes)
             self.data["pull_descriptors"].append(num_descriptors)
+            for name, phase_seconds in (phases or {}).items():
+                self.data[f"phase_{name}_seconds"].append(phase_seconds)
+
+    def record_hold_delay(self, seconds: float) -> None:
+        """Prefill: from vLLM finishing a request to its worker holding the blocks for readers."""
+        with self._lock:
+            self.data["hold_delay_seconds"].append(seconds)
 
     def record_failure(self) -> None:
         with self._lock:
@@ -89,6 +121,11 @@ class TransferStats(KVConnectorStats):
             "Throughput (MB/s)": round(total_bytes / 1e6 / total_seconds, 1)
             if total_seconds
             else 0,
+            **{
+                f"Avg {label} (ms)": round(1e3 * sum(values) / len(values), 3)
+                for label, name in _AVERAGED
+                if (values := self.data.get(name))
+            },
         }
 
 
@@ -144,6 +181,28 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             "vllm:mooncake_hetero_expired_releases",
             "Prefill requests released at their deadline because no decode finished reading.",
         )
+        self._hold_delay = histogram(
+            "vllm:mooncake_hetero_hold_delay_seconds",
+            "Prefill: from vLLM finishing a request to its workers holding the blocks for readers.",
+            _PHASE_BUCKETS,
+        )
+        phase_metric = self._histogram_cls(
+            name="vllm:mooncake_hetero_pull_phase_seconds",
+            documentation=(
+                "Decode: seconds per pull phase: grant_wait (order received to every prefill "
+                "rank's grant; includes prefill computing with overlapped legs), lane_wait, read, "
+                "fixup, report_wait (ready until handed to vLLM)."
+            ),
+            buckets=_PHASE_BUCKETS,
+            labelnames=[*labelnames, "phase"],
+        )
+        self._phases = {
+            phase: {
+                idx: phase_metric.labels(*values, phase)
+                for idx, values in per_engine_labelvalues.items()
+            }
+            for phase in PHASES
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -160,3 +219,8 @@ class TransferPromMetrics(KVConnectorPromMetrics):
         expired = sum(data.get("expired_releases", []))
         if expired:
             self._expired[engine_idx].inc(expired)
+        for seconds in data.get("hold_delay_seconds", []):
+            self._hold_delay[engine_idx].observe(seconds)
+        for phase, per_engine in self._phases.items():
+            for seconds in data.get(f"phase_{phase}_seconds", []):
+                per_engine[engine_idx].observe(seconds)

@@ -8,6 +8,8 @@ A failed pull is reported finished *and* its blocks as load errors in the same s
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -191,7 +193,10 @@ class ConnectorWorker:
             tracker = self.sender.tracker
             for transfer_id in orders.drops:
                 tracker.drop(transfer_id)
+            now = time.time()
             for held in orders.holds:
+                if held.finished_at:
+                    self.stats.record_hold_delay(max(0.0, now - held.finished_at))
                 tracker.hold(
                     held.transfer_id,
                     request_id=held.request_id,
@@ -226,8 +231,20 @@ class ConnectorWorker:
                 logger.warning("KV load failed for request %s: %s", request_id, failure.reason)
                 self._load_errors.update(failure.local_block_ids)
                 self.stats.record_failure()
+            reported = time.monotonic()
             for pull in self.receiver.take_stats():
-                self.stats.record_pull(pull.seconds, pull.num_bytes, pull.num_descriptors)
+                phases = {}
+                if pull.timeline is not None:
+                    pull.timeline.reported = reported
+                    phases = pull.timeline.phases()
+                    if logger.isEnabledFor(logging.DEBUG):
+                        logger.debug(
+                            "pull of %s (transfer %s), ms per phase: %s",
+                            pull.request_id,
+                            pull.transfer_id,
+                            ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items()),
+                        )
+                self.stats.record_pull(pull.seconds, pull.num_bytes, pull.num_descriptors, phases)
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -34,6 +34,7 @@ from typing import Any
 
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
+from . import timeline
 from .cpu_usage import cpu_seconds_between, group_cpu_seconds, idle_cores
 from .load_generator import CellResult, probe_token_ids, run_cell
 from .prompts import make_prompt, regular_token_ids
@@ -280,8 +281,11 @@ def benchmark_system(
                 )
                 for i in range(args.requests_per_cell)
             ]
+            before = timeline.snapshot(system.instances())
             result = _run_cell(system, model, prompts, concurrency, args)
             summary = summarize_cell(system.name, prompt_len, concurrency, result, args.max_tokens)
+            time.sleep(STATS_INTERVAL_S + 0.5)  # connector histograms arrive once per interval
+            summary.timeline_ms = timeline.mean_ms(before, timeline.snapshot(system.instances()))
             report.cells.append(summary)
             print(
                 f"[{system.name}] prompt {prompt_len:>4} conc {concurrency:>2}: "
@@ -446,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "\nTarget 'our TTFT p50 <= vLLM MooncakeConnector TTFT p50': "
             + ("met in every cell" if target["met_in_all_cells"] else "NOT met in every cell")
         )
+    timelines = [(s.system, s.prompt_len, s.concurrency, s.timeline_ms) for s in summaries]
+    if any(means for *_, means in timelines):
+        print("\nTimeline: mean ms per request and phase (phases overlap; see timeline.py):")
+        print(timeline.timeline_table(timelines))
     for report in reports:
         print(
             f"{report.name}: idle CPU {_fmt(report.idle_cores, '.2f')} cores, "

@@ -9,7 +9,7 @@ are taken over successful requests only, and the failures are counted next to th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .latency_stats import LatencySummary, ratio, summarize_seconds
@@ -62,6 +62,8 @@ class CellSummary:
     mean_content_chunks: float | None
     #: Per request (successful or not): TTFT and end-to-end ms, chunk and token counts, error.
     per_request: tuple[dict[str, Any], ...] = ()
+    #: Mean ms per phase of the cell's requests, from the instances' histograms (timeline.py).
+    timeline_ms: dict[str, float] = field(default_factory=dict)
 
     def metric(self, name: str) -> float | None:
         """``ttft_p50_ms``-style lookup used by the ratio table."""
@@ -86,6 +88,7 @@ class CellSummary:
             "first_error": self.first_error,
             "mean_content_chunks": self.mean_content_chunks,
             "per_request": list(self.per_request),
+            "timeline_ms": self.timeline_ms,
         }
 
 

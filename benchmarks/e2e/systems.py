@@ -149,6 +149,11 @@ class BenchSystem(abc.ABC):
         """Process-group ids of everything this system started (for CPU accounting)."""
         ...
 
+    def instances(self) -> dict[str, str]:
+        """Base URL of each vLLM instance by role ("prefill", "decode" or "colocated"), whose
+        ``/metrics`` the per-phase timeline reads."""
+        return {}
+
 
 class ColocatedSystem(BenchSystem):
     name = "colocated"
@@ -178,6 +183,9 @@ class ColocatedSystem(BenchSystem):
 
     def process_groups(self) -> list[int]:
         return [self.server.pid]
+
+    def instances(self) -> dict[str, str]:
+        return {"colocated": self.server.base_url}
 
 
 class OursSystem(BenchSystem):
@@ -246,6 +254,12 @@ class OursSystem(BenchSystem):
         proxy = self.deployment._proxy
         groups = [self.deployment.prefill.pid, self.deployment.decode.pid]
         return groups + ([proxy.pid] if proxy is not None else [])
+
+    def instances(self) -> dict[str, str]:
+        return {
+            "prefill": self.deployment.prefill.base_url,
+            "decode": self.deployment.decode.base_url,
+        }
 
 
 def vllm_mooncake_config(role: str) -> dict[str, Any]:
@@ -410,6 +424,9 @@ class VllmMooncakeSystem(BenchSystem):
     def process_groups(self) -> list[int]:
         groups = [self.prefill.pid, self.decode.pid]
         return groups + ([self._proxy.pid] if self._proxy is not None else [])
+
+    def instances(self) -> dict[str, str]:
+        return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
 
 
 def _http_ok(url: str) -> bool:

@@ -507,3 +507,67 @@ def test_shim_is_inert_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None
     accelerator, finders = _load_shim(monkeypatch, flag=None, available=False)
     assert finders == []
     assert accelerator.current_device_index() == 7
+
+
+# -- per-phase timeline ------------------------------------------------------------------------
+
+timeline = importlib.import_module("benchmarks.e2e.timeline")
+
+
+def _metrics_server(pages: list[str]):
+    """A real HTTP server answering /metrics with the next page of ``pages`` on each GET."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (pages.pop(0) if len(pages) > 1 else pages[0]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _page(grant_sum: float, grant_count: int, ttft_sum: float, ttft_count: int) -> str:
+    phase = "vllm:mooncake_hetero_pull_phase_seconds"
+    return "\n".join(
+        [
+            f"# TYPE {phase} histogram",
+            f'{phase}_sum{{engine="0",phase="grant_wait"}} {grant_sum}',
+            f'{phase}_count{{engine="0",phase="grant_wait"}} {grant_count}',
+            f'{phase}_sum{{engine="0",phase="read"}} 0.0',
+            f'{phase}_count{{engine="0",phase="read"}} 0.0',
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            f'vllm:time_to_first_token_seconds_sum{{engine="0"}} {ttft_sum}',
+            f'vllm:time_to_first_token_seconds_count{{engine="0"}} {ttft_count}',
+            "",
+        ]
+    )
+
+
+def test_timeline_means_are_per_cell_differences_of_the_instances_histograms() -> None:
+    server = _metrics_server([_page(1.0, 10, 2.0, 10), _page(1.3, 13, 2.6, 13)])
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        before = timeline.snapshot({"decode": url})
+        after = timeline.snapshot({"decode": url})
+    finally:
+        server.shutdown()
+    means = timeline.mean_ms(before, after)
+    assert means == {
+        "decode: pull grant wait": pytest.approx(100.0),
+        "decode: arrival to first token": pytest.approx(200.0),
+    }  # the read phase saw nothing in this cell: left out
+    table = timeline.timeline_table([("ours", 256, 1, means), ("colocated", 256, 1, {})])
+    assert "ours, prompt 256, concurrency 1:" in table and "colocated" not in table
+
+
+def test_timeline_skips_an_instance_that_does_not_answer() -> None:
+    assert timeline.snapshot({"decode": "http://127.0.0.1:9"}, timeout_s=2) == {}

@@ -8,6 +8,7 @@ import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
 from vllm_ascend_mooncake.stats import TransferPromMetrics, TransferStats
+from vllm_ascend_mooncake.timeline import PHASES, PullTimeline
 
 
 def test_worker_stats_aggregate_and_reduce() -> None:
@@ -45,9 +46,17 @@ def test_prometheus_metrics_follow_observations() -> None:
 
     metrics = TransferPromMetrics(Config(), types, ["engine"], {0: ["0"]})
     stats = TransferStats()
-    stats.record_pull(0.02, 4096, 3)
+    stats.record_pull(0.02, 4096, 3, {"grant_wait": 0.04, "read": 0.003})
     stats.record_failure()
+    stats.record_hold_delay(0.002)
     metrics.observe(stats.take().data, engine_idx=0)
+    for phase, total in (("grant_wait", 0.04), ("read", 0.003), ("fixup", None)):
+        labels = {"engine": "0", "phase": phase}
+        name = "vllm:mooncake_hetero_pull_phase_seconds"
+        assert registry.get_sample_value(f"{name}_sum", labels) == (total or 0.0)
+        assert registry.get_sample_value(f"{name}_count", labels) == (1 if total else 0)
+    hold = "vllm:mooncake_hetero_hold_delay_seconds_sum"
+    assert registry.get_sample_value(hold, {"engine": "0"}) == 0.002
     assert (
         registry.get_sample_value("vllm:mooncake_hetero_pulled_bytes_total", {"engine": "0"})
         == 4096
@@ -58,3 +67,29 @@ def test_prometheus_metrics_follow_observations() -> None:
     assert (
         registry.get_sample_value("vllm:mooncake_hetero_pull_seconds_count", {"engine": "0"}) == 1
     )
+
+
+def test_timeline_phases_follow_the_stamps_reached() -> None:
+    timeline = PullTimeline(submitted=10.0)
+    assert timeline.phases() == {}
+    timeline.granted = 10.5
+    timeline.mark_first_read(10.7)
+    timeline.mark_first_read(10.6)  # the earliest lane to start counts
+    timeline.landed, timeline.fixed_up = 10.9, 11.0
+    phases = timeline.phases()
+    assert list(phases) == list(PHASES[:4])  # not reported yet
+    assert [round(v, 6) for v in phases.values()] == [0.5, 0.1, 0.3, 0.1]
+    timeline.reported = 11.25
+    assert round(timeline.phases()["report_wait"], 6) == 0.25
+
+
+def test_phase_means_are_logged_per_interval() -> None:
+    stats = TransferStats()
+    stats.record_pull(0.01, 100, 1, {"grant_wait": 0.03, "read": 0.002})
+    stats.record_pull(0.01, 100, 1, {"grant_wait": 0.05, "read": 0.004})
+    stats.record_hold_delay(0.001)
+    summary = stats.take().reduce()
+    assert summary["Avg grant wait (ms)"] == 40.0
+    assert summary["Avg read (ms)"] == 3.0
+    assert summary["Avg hold delay (ms)"] == 1.0
+    assert "Avg fixup (ms)" not in summary  # nothing observed

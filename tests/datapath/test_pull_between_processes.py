@@ -17,6 +17,7 @@ from vllm_ascend_mooncake.testing.datapath_harness import (
     RequestSpec,
     WorkerProcess,
 )
+from vllm_ascend_mooncake.timeline import PHASES
 
 pytestmark = pytest.mark.mooncake
 
@@ -137,6 +138,9 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
         assert sorted(outcome.done) == sorted(loads)
         assert outcome.wrong_requests == {}, f"decode rank {rank}: {outcome.wrong_requests}"
         assert outcome.stray_bytes == 0, f"decode rank {rank} wrote outside its blocks"
+        # Every loaded request's timeline reached each phase, in order.
+        assert sorted(outcome.phases) == sorted(loads)
+        assert all(list(p) == list(PHASES) for p in outcome.phases.values()), outcome.phases
     for rank, report in enumerate(finished):
         assert report["counts"] == {r.transfer_id: 1 for r in requests}, f"prefill rank {rank}"
         assert report["expired"] == 0

@@ -109,6 +109,7 @@ class PullOutcome:
     descriptors: int = 0
     ready_seconds: float = 0.0  # slowest request: first read to KV ready (fix-up included)
     fixup_seconds: float = 0.0
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # request id -> timeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +363,9 @@ class _WorkerState:
             time.sleep(0.002)
         outcome.seconds = time.perf_counter() - started
         for stat in self.receiver.take_stats():
+            if stat.timeline is not None:
+                stat.timeline.reported = time.monotonic()
+                outcome.phases[stat.request_id] = stat.timeline.phases()
             outcome.bytes_moved += stat.num_bytes
             outcome.descriptors += stat.num_descriptors
             outcome.ready_seconds = max(outcome.ready_seconds, stat.seconds)
