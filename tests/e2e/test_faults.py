@@ -24,6 +24,7 @@ RELEASE_TIMEOUT_S = 8.0
 # Metadata fetch: 3 attempts of SIDE_CHANNEL_TIMEOUT_S plus 1.2 s of backoff, then the claim.
 FAILURE_BOUND_S = 4 * SIDE_CHANNEL_TIMEOUT_S + 1.2 + 10.0
 MAX_NUM_SEQS = 2
+MAX_MODEL_LEN = 1024  # the tiny model's longest context: long generations keep decode busy
 PROMPT = " ".join(f"fault{i} tolerant decoding" for i in range(12))
 OTHER = "a second prompt that keeps the decode instance busy " * 3
 
@@ -87,6 +88,7 @@ def deployment(tmp_path_factory):
         decode_failure_policy="recompute",
         prefill_engine_id="faults-prefill",
         release_timeout_s=RELEASE_TIMEOUT_S,
+        max_model_len=MAX_MODEL_LEN,
         extra_connector_config={"side_channel_timeout_s": SIDE_CHANNEL_TIMEOUT_S},
         log_dir=str(tmp_path_factory.mktemp("faults")),
         # A small batch, so that requests queue on a busy decode (client hang-up test).
@@ -265,13 +267,14 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     """Requests aborted before decode ever scheduled them release prefill's blocks and are never
     reported to vLLM (which asserts on an id it already freed)."""
     pd, _, name, reference = deployment
-    long_body = {"max_tokens": 400, "ignore_eos": True}  # seconds of decoding each
-    with concurrent.futures.ThreadPoolExecutor(MAX_NUM_SEQS + 3) as pool:
-        busy = [
+    # Seconds of decoding each (a decode step takes ~4 ms here once vLLM's busy-wait is capped).
+    long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS + 3) as pool:
+        busy = [  # half of them run, half queue ahead of the leaving requests
             pool.submit(completion, pd.proxy_url, name, OTHER, **long_body)
-            for _ in range(MAX_NUM_SEQS)
+            for _ in range(2 * MAX_NUM_SEQS)
         ]
-        time.sleep(2)  # decode is now full: the next requests queue there
+        time.sleep(1)  # decode is now full: the next requests queue there
         leaving = [
             pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
             for i in range(3)
@@ -356,26 +359,33 @@ def answer_or_clean_error(url: str, name: str, prompt: str, **extra) -> int:
 def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engine_id(
     deployment,
 ) -> None:
-    """Kill -9 prefill while requests run through the proxy: each ends in bounded time, decode
-    survives; restarted (same ports, new engine id, which the proxy has not seen yet), the very
-    first requests through the proxy are answered right, from transferred KV."""
+    """Kill -9 prefill while requests are in their prefill leg (it is frozen first, so they
+    pile up there; decode already admitted them, overlapped): each ends in bounded time with a
+    clean error, decode survives and cancels the pulls; restarted (same ports, new engine id,
+    which the proxy has not seen yet), the very first requests through the proxy are answered
+    right, from transferred KV."""
     pd, strict, name, reference = deployment
     assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]  # address known
+    failed_before = pd.transfer_totals()["failed"]
+    pd.freeze("prefill")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [
             pool.submit(answer_or_clean_error, pd.proxy_url, name, f"{PROMPT} {i}", max_tokens=60)
             for i in range(3)
         ]
-        time.sleep(0.5)
+        time.sleep(1.0)
         pd.kill("prefill")
         killed = time.monotonic()
         statuses = [future.result() for future in running]
     ended_s = time.monotonic() - killed
     assert ended_s < 2 * FAILURE_BOUND_S, statuses
+    assert all(status >= 500 for status in statuses), statuses  # each was in its prefill leg
     assert_engines_alive(pd.decode.base_url, strict.base_url)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    time.sleep(2)  # transfer metrics are logged once a second
+    assert pd.transfer_totals()["failed"] == failed_before, "an abandoned pull counted as failed"
 
     restart_s = pd.restart("prefill", prefill_engine_id=None)
-    failed_before = pd.transfer_totals()["failed"]
     first_s = []
     for prompt in (PROMPT, OTHER, PROMPT):  # overlapped legs naming the old engine id first
         started = time.monotonic()
@@ -399,13 +409,20 @@ def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
     pd, _, name, reference = deployment
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [
-            pool.submit(answer_or_clean_error, pd.proxy_url, name, f"{OTHER} {i}", max_tokens=80)
+            pool.submit(
+                answer_or_clean_error,
+                pd.proxy_url,
+                name,
+                f"{OTHER} {i}",
+                max_tokens=MAX_MODEL_LEN - 100,
+            )
             for i in range(3)
         ]
         time.sleep(1.0)
         pd.kill("decode")
         killed = time.monotonic()
         statuses = [future.result() for future in running]
+    assert any(status != 200 for status in statuses), f"nothing was in flight: {statuses}"
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 30)
     print(
         f"[fault] decode killed: requests ended with {statuses}; prefill freed every block "
