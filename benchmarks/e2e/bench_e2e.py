@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -285,7 +285,8 @@ def benchmark_system(
             result = _run_cell(system, model, prompts, concurrency, args)
             summary = summarize_cell(system.name, prompt_len, concurrency, result, args.max_tokens)
             time.sleep(STATS_INTERVAL_S + 0.5)  # connector histograms arrive once per interval
-            summary.timeline_ms = timeline.mean_ms(before, timeline.snapshot(system.instances()))
+            after = timeline.snapshot(system.instances())
+            summary = replace(summary, timeline_ms=timeline.mean_ms(before, after))
             report.cells.append(summary)
             print(
                 f"[{system.name}] prompt {prompt_len:>4} conc {concurrency:>2}: "
