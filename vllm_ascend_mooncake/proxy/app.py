@@ -52,6 +52,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 #: What the proxy logs as the status of a request whose client left first (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+
 #: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
 _FORWARDED_HEADERS = ("Authorization",)
 
