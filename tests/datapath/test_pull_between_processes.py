@@ -197,39 +197,47 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
             worker.close()
 
 
-def test_early_pulls_fail_fast_when_prefill_drops_them_or_computed_another_prompt(workers):
-    """Decode admitted before prefill finished: a prefill that aborts the request refuses the
-    claim at once (rather than after ``prefill_wait_s``), and one that computed a prompt of
-    another length refuses too; decode writes nothing either way, and pulls correctly after."""
+@contextlib.contextmanager
+def two_prefill_ranks_one_decode(workers, name: str):
+    """Prefill TP 2 -> decode TP 1 (4 heads, head-major) set up on the module's workers, torn
+    down after: yields (prefill workers, decode worker)."""
     case = CaseSpec(
-        name="early-refusals",
+        name=name,
         heads=4,
         prefill_tp=2,
         decode_tp=1,
         layout="vllm_head_major",
         base_port=free_port_range(2),
     )
-    dropped = RequestSpec("dropped", "t-dropped", (0, 1), (3, 4), early=True)
-    other_prompt = RequestSpec("other", "t-other", (2, 3), (5, 6), early=True)
-    fine = RequestSpec("fine", "t-fine", (4, 5), (7, 8), early=True)
     prefill, decode = workers
     for rank in range(2):
         prefill[rank].call("setup_prefill", case, rank)
     decode[0].call("setup_decode", case, 0)
     try:
-        decode[0].send("pull", [dropped, other_prompt, fine], 60.0)
+        yield prefill[:2], decode[0]
+    finally:
+        for rank in range(2):
+            prefill[rank].call("teardown")
+        decode[0].call("teardown")
+
+
+def test_early_pulls_fail_fast_when_prefill_drops_them_or_computed_another_prompt(workers):
+    """Decode admitted before prefill finished: a prefill that aborts the request refuses the
+    claim at once (rather than after ``prefill_wait_s``), and one that computed a prompt of
+    another length refuses too; decode writes nothing either way, and pulls correctly after."""
+    dropped = RequestSpec("dropped", "t-dropped", (0, 1), (3, 4), early=True)
+    other_prompt = RequestSpec("other", "t-other", (2, 3), (5, 6), early=True)
+    fine = RequestSpec("fine", "t-fine", (4, 5), (7, 8), early=True)
+    with two_prefill_ranks_one_decode(workers, "early-refusals") as (prefill, decode):
+        decode.send("pull", [dropped, other_prompt, fine], 60.0)
         time.sleep(0.3)
         longer = RequestSpec("other", "t-other", (2, 3), (5, 6, 9), early=True)
         for rank in range(2):
             prefill[rank].call("drop", [dropped.transfer_id])
             prefill[rank].call("hold", [longer, fine])
-        outcome = decode[0].receive(120)
+        outcome = decode.receive(120)
         expected = [fine.transfer_id, other_prompt.transfer_id]
         finished = [prefill[rank].call("collect_finished", expected, 30.0) for rank in range(2)]
-    finally:
-        for rank in range(2):
-            prefill[rank].call("teardown")
-        decode[0].call("teardown")
     assert outcome.done == ["fine"] and outcome.wrong_requests == {}
     assert "prefill failed" in outcome.failed["dropped"]
     assert "prompts differ" in outcome.failed["other"]
@@ -311,34 +319,18 @@ def test_a_pull_cancelled_while_waiting_for_prefill_gives_up_at_once_and_release
     off yet: the pull stops waiting at its next ask instead of at ``prefill_wait_s``, reads
     nothing, is reported cancelled (not a transfer failure), and prefill frees the hold it
     registers later at once. Other pulls are untouched."""
-    case = CaseSpec(
-        name="cancel",
-        heads=4,
-        prefill_tp=2,
-        decode_tp=1,
-        layout="vllm_head_major",
-        base_port=free_port_range(2),
-    )
     leaving = RequestSpec("leaving", "t-leaving", (0, 1), (3, 4), early=True)
     staying = RequestSpec("staying", "t-staying", (2, 3), (5, 6), early=True)
-    prefill, decode = workers
-    for rank in range(2):
-        prefill[rank].call("setup_prefill", case, rank)
-    decode[0].call("setup_decode", case, 0)
-    try:
-        decode[0].send("pull", [leaving, staying], 60.0, {"leaving": 0.3})
+    with two_prefill_ranks_one_decode(workers, "cancel") as (prefill, decode):
+        decode.send("pull", [leaving, staying], 60.0, {"leaving": 0.3})
         time.sleep(3.0)  # prefill still computing both; "leaving" is cancelled meanwhile
         for rank in range(2):
             prefill[rank].call("hold", [staying, leaving])
-        outcome = decode[0].receive(120)
+        outcome = decode.receive(120)
         finished = [
             prefill[rank].call("collect_finished", [s.transfer_id for s in (leaving, staying)], 30)
             for rank in range(2)
         ]
-    finally:
-        for rank in range(2):
-            prefill[rank].call("teardown")
-        decode[0].call("teardown")
     assert outcome.done == ["staying"] and outcome.wrong_requests == {}
     assert outcome.cancelled == ["leaving"], outcome.failed
     assert outcome.stray_bytes == 0

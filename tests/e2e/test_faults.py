@@ -66,6 +66,12 @@ def wait_no_blocks_in_use(url: str, within_s: float) -> None:
         time.sleep(0.5)
 
 
+def assert_no_failed_pull_since(pd: LocalDeployment, failed_before: int) -> None:
+    """The recomputing decode would hide a failed pull behind a right answer: count them."""
+    time.sleep(2)  # transfer metrics are logged once a second
+    assert pd.transfer_totals()["failed"] == failed_before, f"a pull failed; see {pd.log_dir}"
+
+
 def prefill_params(pd: LocalDeployment, name: str, prompt: str) -> dict:
     response = completion(
         pd.prefill.base_url,
@@ -154,6 +160,7 @@ def test_unloadable_kv_is_recomputed_or_a_clean_error(deployment, corrupt) -> No
 
 def test_prefill_eos_on_its_single_token_still_hands_off(deployment) -> None:
     pd, _, name, _ = deployment
+    failed_before = pd.transfer_totals()["failed"]
     first = completion(pd.prefill.base_url, name, PROMPT, max_tokens=1, return_token_ids=True)
     first_token = first.json()["choices"][0]["token_ids"][0]
     # Prefill's single token is a stop token: it finishes FINISHED_STOPPED, not length-capped.
@@ -163,11 +170,13 @@ def test_prefill_eos_on_its_single_token_still_hands_off(deployment) -> None:
     assert proxied.status_code == colocated.status_code == 200, proxied.text
     assert proxied.json()["choices"][0]["token_ids"] == colocated.json()["choices"][0]["token_ids"]
     assert proxied.json()["choices"][0]["finish_reason"] == "stop"
+    assert_no_failed_pull_since(pd, failed_before)
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
 
 
 def test_aborted_streams_leak_no_blocks(deployment) -> None:
     pd, _, name, _ = deployment
+    failed_before = pd.transfer_totals()["failed"]
     for _ in range(3):
         body = {
             "model": name,
@@ -182,6 +191,7 @@ def test_aborted_streams_leak_no_blocks(deployment) -> None:
         ) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # first chunk, then hang up
+    assert_no_failed_pull_since(pd, failed_before)
     wait_no_blocks_in_use(pd.decode.base_url, 30)
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
 
@@ -269,6 +279,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     pd, _, name, reference = deployment
     # Seconds of decoding each (a decode step takes ~4 ms here once vLLM's busy-wait is capped).
     long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
+    failed_before = pd.transfer_totals()["failed"]
     with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS + 3) as pool:
         busy = [  # half of them run, half queue ahead of the leaving requests
             pool.submit(completion, pd.proxy_url, name, OTHER, **long_body)
@@ -289,6 +300,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
     wait_no_blocks_in_use(pd.decode.base_url, 30)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    assert_no_failed_pull_since(pd, failed_before)
     print(
         f"[fault] clients left while queued: next request and every block freed within "
         f"{time.monotonic() - started:.1f} s",
