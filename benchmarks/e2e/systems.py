@@ -96,8 +96,10 @@ def _check_transfers(
     failure_keys: tuple[str, ...],
     logs: dict[str, Path],
     mean_time_key: str | None = None,
+    counts: dict[str, int] | None = None,
 ) -> TransferCheck:
-    """Sum the metrics of all ``logs``; ok when something moved and nothing failed."""
+    """Sum the metrics of all ``logs`` (or take ``counts``, by the same keys, where the system
+    counts more reliably elsewhere); ok when something moved and nothing failed."""
     totals: dict[str, int] = {}
     errors: list[str] = []
     mean_ms = None
@@ -110,6 +112,8 @@ def _check_transfers(
         timeouts += mooncake_timeouts(text)
         if mean_time_key is not None and mean_ms is None:
             mean_ms = weighted_mean_field(text, success_key, mean_time_key)
+    if counts is not None:
+        totals = dict(counts)
     successes = totals.get(success_key, 0)
     failures = {key: totals.get(key, 0) for key in failure_keys}
     ok = successes > 0 and not any(failures.values())
@@ -229,8 +233,10 @@ class OursSystem(BenchSystem):
         self.deployment.stop()
 
     def transfer_check(self) -> TransferCheck:
-        # Decode pulls, so successes are logged there; expired releases (P gave up waiting for
-        # a pull) are logged on prefill.
+        # Counted from the instances' Prometheus counters (decode pulls; prefill releases by
+        # timeout when no decode finished reading): vLLM drops the logged metrics of an interval
+        # in which its engine produced no tokens. The logs still give errors and the mean time.
+        totals = self.deployment.transfer_totals()
         return _check_transfers(
             "Num successful pulls",
             ("Num failed pulls", "Num expired releases"),
@@ -239,6 +245,11 @@ class OursSystem(BenchSystem):
                 "prefill": self.deployment.prefill.log_path,
             },
             mean_time_key="Avg pull time (ms)",
+            counts={
+                "Num successful pulls": totals.get("successful", 0),
+                "Num failed pulls": totals.get("failed", 0),
+                "Num expired releases": totals.get("expired", 0),
+            },
         )
 
     def log_paths(self) -> list[Path]:

@@ -9,12 +9,15 @@ recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import httpx
 import pytest
+from pd_checks import settled_totals
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -68,8 +71,7 @@ def wait_no_blocks_in_use(url: str, within_s: float) -> None:
 
 def assert_no_failed_pull_since(pd: LocalDeployment, failed_before: int) -> None:
     """The recomputing decode would hide a failed pull behind a right answer: count them."""
-    time.sleep(2)  # transfer metrics are logged once a second
-    assert pd.transfer_totals()["failed"] == failed_before, f"a pull failed; see {pd.log_dir}"
+    assert settled_totals(pd)["failed"] == failed_before, f"a pull failed; see {pd.log_dir}"
 
 
 def prefill_params(pd: LocalDeployment, name: str, prompt: str) -> dict:
@@ -114,6 +116,23 @@ def deployment(tmp_path_factory):
         pd.stop()
 
 
+@pytest.fixture(scope="module")
+def serial_proxy_url(deployment) -> str:
+    """A second proxy in front of the same instances that never overlaps the legs."""
+    return deployment[0].add_proxy("--serial-legs")
+
+
+@pytest.fixture(params=["overlapped", "serial"])
+def proxy_url(request, deployment) -> str:
+    """Each fault through the proxy both ways: the default proxy, which sends both legs at once
+    once it knows the prefill (a first request teaches it), and one with ``--serial-legs``."""
+    if request.param == "serial":
+        return request.getfixturevalue("serial_proxy_url")
+    pd, _, name, reference = deployment
+    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]
+    return pd.proxy_url
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [
@@ -138,6 +157,7 @@ def test_malformed_params_fall_back_to_local_prefill(deployment, corrupt) -> Non
             id="out-of-range-blocks",
         ),
         pytest.param(lambda p: {**p, "remote_engine_id": "someone-else"}, id="unknown-engine"),
+        pytest.param(lambda p: {**p, "remote_port": free_port()}, id="unreachable-prefill"),
     ],
 )
 def test_unloadable_kv_is_recomputed_or_a_clean_error(deployment, corrupt) -> None:
@@ -158,14 +178,14 @@ def test_unloadable_kv_is_recomputed_or_a_clean_error(deployment, corrupt) -> No
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
 
 
-def test_prefill_eos_on_its_single_token_still_hands_off(deployment) -> None:
+def test_prefill_eos_on_its_single_token_still_hands_off(deployment, proxy_url) -> None:
     pd, _, name, _ = deployment
     failed_before = pd.transfer_totals()["failed"]
     first = completion(pd.prefill.base_url, name, PROMPT, max_tokens=1, return_token_ids=True)
     first_token = first.json()["choices"][0]["token_ids"][0]
     # Prefill's single token is a stop token: it finishes FINISHED_STOPPED, not length-capped.
     stop = {"stop_token_ids": [first_token], "ignore_eos": False, "return_token_ids": True}
-    proxied = completion(pd.proxy_url, name, PROMPT, **stop)
+    proxied = completion(proxy_url, name, PROMPT, **stop)
     colocated = completion(pd.prefill.base_url, name, PROMPT, **stop)
     assert proxied.status_code == colocated.status_code == 200, proxied.text
     assert proxied.json()["choices"][0]["token_ids"] == colocated.json()["choices"][0]["token_ids"]
@@ -174,7 +194,7 @@ def test_prefill_eos_on_its_single_token_still_hands_off(deployment) -> None:
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
 
 
-def test_aborted_streams_leak_no_blocks(deployment) -> None:
+def test_aborted_streams_leak_no_blocks(deployment, proxy_url) -> None:
     pd, _, name, _ = deployment
     failed_before = pd.transfer_totals()["failed"]
     for _ in range(3):
@@ -187,7 +207,7 @@ def test_aborted_streams_leak_no_blocks(deployment) -> None:
             "stream": True,
         }
         with httpx.stream(
-            "POST", f"{pd.proxy_url}/v1/completions", json=body, timeout=300
+            "POST", f"{proxy_url}/v1/completions", json=body, timeout=300
         ) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # first chunk, then hang up
@@ -232,27 +252,30 @@ def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> Non
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
+def legs(pd: LocalDeployment, proxy_url: str) -> str:
+    return "overlapped" if proxy_url == pd.proxy_url else "serial"
+
+
 def assert_engines_alive(*urls: str) -> None:
     """``/health`` is 200 only while the engine core runs, not just the API server."""
     for url in urls:
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200, url
 
 
-def test_prompt_logprobs_through_the_proxy_keep_decode_alive(deployment) -> None:
+def test_prompt_logprobs_through_the_proxy_keep_decode_alive(deployment, proxy_url) -> None:
     """vLLM loads no external KV for a prompt_logprobs request: its pull only releases prefill's
     hold, and reporting it to vLLM as loaded used to kill the decode engine core."""
     pd, _, name, reference = deployment
-    for _ in range(2):  # the second one has overlapped legs
-        response = completion(pd.proxy_url, name, PROMPT, prompt_logprobs=1)
-        assert tokens(response) == reference[PROMPT]
-        assert response.json()["choices"][0]["prompt_logprobs"]
+    response = completion(proxy_url, name, PROMPT, prompt_logprobs=1)
+    assert tokens(response) == reference[PROMPT]
+    assert response.json()["choices"][0]["prompt_logprobs"]
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
-    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]
+    assert tokens(completion(proxy_url, name, OTHER)) == reference[OTHER]
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
-def test_several_sequences_per_request_pull_once_and_answer_right(deployment) -> None:
+def test_several_sequences_per_request_pull_once_and_answer_right(deployment, proxy_url) -> None:
     """n > 1: the proxy prefills one sequence; decode's sequences share the params, the first
     pulls and the others compute locally (prefill frees its copy after the first read)."""
     pd, _, name, _ = deployment
@@ -261,19 +284,18 @@ def test_several_sequences_per_request_pull_once_and_answer_right(deployment) ->
     assert colocated.status_code == 200, colocated.text
     failed_before = pd.transfer_totals()["failed"]
     for _ in range(2):
-        response = completion(pd.proxy_url, name, PROMPT, **sampling)
+        response = completion(proxy_url, name, PROMPT, **sampling)
         assert response.status_code == 200, response.text
         assert [c["text"] for c in response.json()["choices"]] == [
             c["text"] for c in colocated.json()["choices"]
         ]
-    time.sleep(2)  # transfer metrics are logged once a second
-    assert pd.transfer_totals()["failed"] == failed_before
+    assert settled_totals(pd)["failed"] == failed_before
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
-def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment) -> None:
+def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment, proxy_url) -> None:
     """Requests aborted before decode ever scheduled them release prefill's blocks and are never
     reported to vLLM (which asserts on an id it already freed)."""
     pd, _, name, reference = deployment
@@ -282,12 +304,12 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
     failed_before = pd.transfer_totals()["failed"]
     with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS + 3) as pool:
         busy = [  # half of them run, half queue ahead of the leaving requests
-            pool.submit(completion, pd.proxy_url, name, OTHER, **long_body)
+            pool.submit(completion, proxy_url, name, OTHER, **long_body)
             for _ in range(2 * MAX_NUM_SEQS)
         ]
         time.sleep(1)  # decode is now full: the next requests queue there
         leaving = [
-            pool.submit(hang_up_after, pd.proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
+            pool.submit(hang_up_after, proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
             for i in range(3)
         ]
         time.sleep(1.0)
@@ -297,7 +319,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment)
             assert future.result().status_code == 200
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
     started = time.monotonic()
-    assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
+    assert tokens(completion(proxy_url, name, PROMPT)) == reference[PROMPT]
     wait_no_blocks_in_use(pd.decode.base_url, 30)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     assert_no_failed_pull_since(pd, failed_before)
@@ -312,7 +334,8 @@ def test_clients_leaving_while_prefill_still_computes_cancel_their_pull(deployme
     """Overlapped legs: decode was admitted and waits for prefill's grant when the client leaves
     (prefill frozen, as on a stalled host). Decode stops waiting at once instead of holding its
     blocks until ``prefill_wait_s``, counts no failed pull, and prefill frees what it finishes
-    later on decode's notice, not at its release timeout."""
+    later on decode's notice, not at its release timeout. (With serial legs decode has not been
+    asked yet when prefill computes: the proxy only closes the prefill leg.)"""
     pd, _, name, reference = deployment
     assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]  # overlapped now
     before = pd.transfer_totals()
@@ -334,8 +357,7 @@ def test_clients_leaving_while_prefill_still_computes_cancel_their_pull(deployme
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     freed_s = time.monotonic() - started
     assert tokens(completion(pd.proxy_url, name, PROMPT)) == reference[PROMPT]
-    time.sleep(2)  # transfer metrics are logged once a second
-    after = pd.transfer_totals()
+    after = settled_totals(pd)
     assert after["failed"] == before["failed"], "a cancelled pull was counted as failed"
     assert after["expired"] == before["expired"], "prefill freed a hold at its timeout"
     log = pd.decode.log_path.read_text(errors="replace")
@@ -369,7 +391,7 @@ def answer_or_clean_error(url: str, name: str, prompt: str, **extra) -> int:
 
 
 def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engine_id(
-    deployment,
+    deployment, proxy_url
 ) -> None:
     """Kill -9 prefill while requests are in their prefill leg (it is frozen first, so they
     pile up there; decode already admitted them, overlapped): each ends in bounded time with a
@@ -377,12 +399,11 @@ def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engin
     which the proxy has not seen yet), the very first requests through the proxy are answered
     right, from transferred KV."""
     pd, strict, name, reference = deployment
-    assert tokens(completion(pd.proxy_url, name, OTHER)) == reference[OTHER]  # address known
     failed_before = pd.transfer_totals()["failed"]
     pd.freeze("prefill")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [
-            pool.submit(answer_or_clean_error, pd.proxy_url, name, f"{PROMPT} {i}", max_tokens=60)
+            pool.submit(answer_or_clean_error, proxy_url, name, f"{PROMPT} {i}", max_tokens=60)
             for i in range(3)
         ]
         time.sleep(1.0)
@@ -394,28 +415,93 @@ def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engin
     assert all(status >= 500 for status in statuses), statuses  # each was in its prefill leg
     assert_engines_alive(pd.decode.base_url, strict.base_url)
     wait_no_blocks_in_use(pd.decode.base_url, 30)
-    time.sleep(2)  # transfer metrics are logged once a second
-    assert pd.transfer_totals()["failed"] == failed_before, "an abandoned pull counted as failed"
+    assert settled_totals(pd)["failed"] == failed_before, "an abandoned pull counted as failed"
 
     restart_s = pd.restart("prefill", prefill_engine_id=None)
     first_s = []
-    for prompt in (PROMPT, OTHER, PROMPT):  # overlapped legs naming the old engine id first
+    for prompt in (PROMPT, OTHER, PROMPT):  # overlapped, the first names the old engine id
         started = time.monotonic()
-        assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
+        assert tokens(completion(proxy_url, name, prompt)) == reference[prompt]
         first_s.append(round(time.monotonic() - started, 2))
     print(
-        f"[fault] prefill killed: in-flight requests ended {ended_s:.1f} s later with {statuses}; "
-        f"restart took {restart_s:.0f} s; the next requests took {first_s} s",
+        f"[fault] prefill killed ({legs(pd, proxy_url)} legs): in-flight requests ended "
+        f"{ended_s:.1f} s later with {statuses}; restart took {restart_s:.0f} s; the next "
+        f"requests took {first_s} s",
         flush=True,
     )
-    time.sleep(2)  # transfer metrics are logged once a second
-    assert pd.transfer_totals()["failed"] == failed_before, "a pull after the restart failed"
+    assert settled_totals(pd)["failed"] == failed_before, "a pull after the restart failed"
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
-def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
+def test_prefill_killed_under_load_ends_every_request_in_bounded_time(deployment) -> None:
+    """Kill -9 prefill, not frozen, while four clients keep requests at every stage (prefill
+    computing, decode pulling, decode generating): every request ends within the failure bound
+    with the colocated answer (decode recomputes a pull the kill broke) or a clean error, decode
+    stays alive and frees every block, and once prefill is back the proxy serves right again
+    with no failed pull."""
+    pd, _, name, reference = deployment
+    stop = threading.Event()
+    outcomes: list[tuple[str, int, str, float, float]] = []  # prompt, status, text, start, end
+
+    def client(index: int) -> None:
+        prompt = (PROMPT, OTHER)[index % 2]
+        for n in range(1000):
+            if stop.is_set():
+                return
+            started = time.monotonic()
+            try:  # a fresh cache_salt: every request pulls its whole prompt
+                response = completion(pd.proxy_url, name, prompt, cache_salt=f"load-{index}-{n}")
+                text = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+                status = response.status_code
+            except httpx.HTTPError:
+                status, text = 599, ""
+            outcomes.append((prompt, status, text, started, time.monotonic()))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, i) for i in range(4)]
+        time.sleep(3.0)
+        answered_before_kill = len(outcomes)
+        pd.kill("prefill")
+        killed = time.monotonic()
+        time.sleep(2.0)
+        stop.set()
+        for future in clients:
+            future.result(timeout=4 * FAILURE_BOUND_S)
+    ended_s = max(ended for *_, ended in outcomes) - killed
+    assert answered_before_kill > 0, "no request was answered before the kill"
+    in_flight = [o for o in outcomes if o[3] < killed < o[4]]
+    assert in_flight, "no request was in flight at the kill: the fault did not happen"
+    assert ended_s < 2 * FAILURE_BOUND_S, f"a request ended {ended_s:.1f} s after the kill"
+    wrong = [
+        (p[:20], status)
+        for p, status, text, *_ in outcomes
+        if status == 200 and text != reference[p]
+    ]
+    assert not wrong, f"answered wrong: {wrong}"
+    errors = [status for _, status, *_ in outcomes if status != 200]
+    assert_engines_alive(pd.decode.base_url)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+    restart_s = pd.restart("prefill", prefill_engine_id=None)
+    failed_before = pd.transfer_totals()["failed"]
+    for prompt in (PROMPT, OTHER):
+        assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
+    print(
+        f"[fault] prefill killed under load: {len(outcomes)} requests, {len(in_flight)} in "
+        f"flight at the kill ({[o[1] for o in in_flight]}), {len(errors)} errors in all, the "
+        f"last ended {ended_s:.1f} s after the kill; restart took "
+        f"{restart_s:.0f} s",
+        flush=True,
+    )
+    assert settled_totals(pd)["failed"] == failed_before, "a pull after the restart failed"
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
+def test_decode_killed_holding_leases_then_restarted(deployment, proxy_url) -> None:
     """Kill -9 decode while it generates from pulled KV: prefill frees every block by the end of
     its leases, and a restarted decode on the same port serves right through the proxy."""
     pd, _, name, reference = deployment
@@ -423,7 +509,7 @@ def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
         running = [
             pool.submit(
                 answer_or_clean_error,
-                pd.proxy_url,
+                proxy_url,
                 name,
                 f"{OTHER} {i}",
                 max_tokens=MAX_MODEL_LEN - 100,
@@ -445,9 +531,8 @@ def test_decode_killed_holding_leases_then_restarted(deployment) -> None:
 
     pd.restart("decode")
     for prompt in (PROMPT, OTHER):
-        assert tokens(completion(pd.proxy_url, name, prompt)) == reference[prompt]
-    time.sleep(2)
-    assert pd.transfer_totals()["failed"] == 0  # the restarted decode's own log
+        assert tokens(completion(proxy_url, name, prompt)) == reference[prompt]
+    assert settled_totals(pd)["failed"] == 0  # the restarted decode's own counters
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     wait_no_blocks_in_use(pd.decode.base_url, 30)

@@ -127,7 +127,7 @@ def test_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_path)
         assert_clean_transfers(pd, requests=11)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2)])
 def test_negative_control_decode_uses_the_transferred_kv(
     model, reference, prefill_tp, decode_tp, tmp_path
 ) -> None:

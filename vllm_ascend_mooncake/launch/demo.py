@@ -88,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.5)  # the decode instance logs transfer metrics every second
         metrics = deployment.transfer_metrics()
         print(f"[demo] KV transfer: {metrics or 'no metrics logged (see decode.log)'}")
-        if metrics is None or "Num successful pulls=0" in metrics:
-            print(
-                "[demo] error: the decode instance reports no successful KV pull", file=sys.stderr
-            )
+        totals = deployment.transfer_totals()
+        expected = 2 * spec.decode_tp  # each request, on every decode rank
+        print(
+            f"[demo] pulls: {totals['successful']} successful (expected {expected}: 2 requests x "
+            f"{spec.decode_tp} decode rank(s)), {totals['failed']} failed"
+        )
+        if totals["successful"] != expected or totals["failed"]:
+            print("[demo] error: not every KV pull succeeded (see decode.log)", file=sys.stderr)
             return 1
         if args.keep_running:
             print(f"[demo] serving at {deployment.proxy_url}; Ctrl-C stops everything", flush=True)

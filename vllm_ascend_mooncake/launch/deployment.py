@@ -92,6 +92,7 @@ class LocalDeployment:
         self.proxy_port = free_port()
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen[bytes] | None = None
+        self._extra_proxies: list[subprocess.Popen[bytes]] = []
 
     def make_server(
         self, role: str, *, port: int | None = None, name: str | None = None, **overrides: Any
@@ -163,8 +164,23 @@ class LocalDeployment:
         self.decode.start()
         self.prefill.wait_ready(timeout_s)
         self.decode.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
-        with self.proxy_log.open("wb") as log:
-            self._proxy = subprocess.Popen(
+        self._proxy = self._start_proxy(self.proxy_port, self.proxy_log, self.spec.proxy_args)
+        return time.monotonic() - started
+
+    def add_proxy(self, *proxy_args: str) -> str:
+        """Start another proxy in front of the same instances, e.g. ``"--serial-legs"`` next to
+        the default one, and return its URL; :meth:`stop` stops it too."""
+        port = free_port()
+        log = self.log_dir / f"proxy-{port}.log"
+        self._extra_proxies.append(self._start_proxy(port, log, proxy_args))
+        return f"http://127.0.0.1:{port}"
+
+    def _start_proxy(
+        self, port: int, log_path: Path, proxy_args: tuple[str, ...]
+    ) -> subprocess.Popen[bytes]:
+        """A proxy process in a session of its own; returns once it reports both instances."""
+        with log_path.open("wb") as log:
+            proxy = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -172,12 +188,12 @@ class LocalDeployment:
                     "--host",
                     "127.0.0.1",
                     "--port",
-                    str(self.proxy_port),
+                    str(port),
                     "--prefill",
                     self.prefill.base_url,
                     "--decode",
                     self.decode.base_url,
-                    *self.spec.proxy_args,
+                    *proxy_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -185,23 +201,17 @@ class LocalDeployment:
                 start_new_session=True,
             )
         deadline = time.monotonic() + 60
-        while not _http_ok(f"{self.proxy_url}/health"):
-            if self._proxy.poll() is not None or time.monotonic() > deadline:
-                raise ServerError(
-                    f"proxy did not start; log:\n{self.proxy_log.read_text()[-3000:]}"
-                )
+        while not _http_ok(f"http://127.0.0.1:{port}/health"):
+            if proxy.poll() is not None or time.monotonic() > deadline:
+                _stop_process_group(proxy)
+                raise ServerError(f"proxy did not start; log:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.3)
-        return time.monotonic() - started
+        return proxy
 
     def stop(self) -> None:
-        if self._proxy is not None and self._proxy.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proxy.pid, 15)
-            try:
-                self._proxy.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proxy.pid, 9)
-                self._proxy.wait(timeout=10)
+        for proxy in (self._proxy, *self._extra_proxies):
+            if proxy is not None:
+                _stop_process_group(proxy)
         errors = []
         for server in (self.decode, self.prefill):
             try:
@@ -224,20 +234,22 @@ class LocalDeployment:
         return last
 
     def transfer_totals(self) -> dict[str, int]:
-        """Successful and failed pulls summed over every metrics line the decode logged, and
-        prefill's releases by timeout (blocks no read-done notice freed)."""
-        totals = {"successful": 0, "failed": 0, "expired": 0}
-        sources = (
-            (self.decode, "successful", "Num successful pulls"),
-            (self.decode, "failed", "Num failed pulls"),
-            (self.prefill, "expired", "Num expired releases"),
-        )
-        for server, key, label in sources:
-            try:
-                text = server.log_path.read_text(errors="replace")
-            except OSError:
-                continue
-            totals[key] = sum(int(n) for n in re.findall(rf"{label}=(\d+)", text))
+        """Pulls that succeeded and failed on decode (each decode rank counts its own) and
+        prefill's releases by timeout (holds no read-done notice freed), from the instances'
+        Prometheus counters. An instance that is not running is left out.
+
+        Not from the logged "KV Transfer metrics": vLLM logs an interval in which its engine
+        produced no tokens at DEBUG level and then discards it, so a pull that failed on an
+        otherwise idle engine (or a release by timeout on an idle prefill) never shows there.
+        """
+        totals: dict[str, int] = {}
+        if self.decode.is_running():
+            text = _metrics_text(self.decode.base_url)
+            totals["successful"] = _metric_sum(text, "vllm:mooncake_hetero_pull_seconds_count")
+            totals["failed"] = _metric_sum(text, "vllm:mooncake_hetero_failed_pulls_total")
+        if self.prefill.is_running():
+            text = _metrics_text(self.prefill.base_url)
+            totals["expired"] = _metric_sum(text, "vllm:mooncake_hetero_expired_releases_total")
         return totals
 
     def __enter__(self) -> LocalDeployment:
@@ -255,6 +267,34 @@ class LocalDeployment:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process's group, SIGKILL after 10 s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def _metrics_text(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
+def _metric_sum(text: str, name: str) -> int:
+    """The sum of a metric's samples over all label sets; the metric must be exported."""
+    sample = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.M)
+    values = [float(match.group(1)) for match in sample.finditer(text)]
+    if not values:
+        raise ServerError(f"{name} is not exported: is the connector loaded?")
+    return round(sum(values))
 
 
 def _http_ok(url: str) -> bool:
