@@ -292,6 +292,12 @@ def test_transfer_check_needs_successes_and_no_failures(tmp_path: Path) -> None:
     decode_log.write_text("")
     prefill_log.write_text("")
     assert not systems._check_transfers("Num successful pulls", keys, logs).ok
+    # Counts taken elsewhere (Prometheus) replace the logged ones, which can miss intervals.
+    counted = {"Num successful pulls": 5, "Num failed pulls": 0, "Num expired releases": 0}
+    check = systems._check_transfers("Num successful pulls", keys, logs, counts=counted)
+    assert check.ok and check.successful_transfers == 5
+    failed = {**counted, "Num failed pulls": 1}
+    assert not systems._check_transfers("Num successful pulls", keys, logs, counts=failed).ok
 
 
 def test_vllm_mooncake_config_roles() -> None:
