@@ -22,6 +22,7 @@ from fake_vllm import OMIT, FakeVllm
 from loopback_server import refusing_port, serve_on_loopback
 
 from vllm_ascend_mooncake.launch.ports import free_port
+from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer
 from vllm_ascend_mooncake.proxy.cli import main
@@ -278,6 +279,59 @@ def test_request_body_that_is_not_a_json_object_gives_400(
 
     assert not_json.status_code == array.status_code == 400
     assert fleet.prefill_a.generation_requests() == []
+
+
+def test_deeply_nested_json_gives_400_in_the_openai_shape(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    response = proxy.post(COMPLETIONS, content=nested, headers={"X-Request-Id": "deep"})
+
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+    assert response.headers["X-Request-Id"] == "deep"
+    assert fleet.prefill_a.generation_requests() == []
+
+
+def test_oversized_body_gives_413_before_any_upstream_is_asked(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a)], max_body_bytes=1 << 16
+    )
+    body = {**CLIENT_BODIES[COMPLETIONS], "prompt": "x" * (1 << 17)}
+
+    declared = proxy.post(COMPLETIONS, json=body)
+    chunked = proxy.post(COMPLETIONS, content=iter([json.dumps(body).encode()]))  # no length
+    fits = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    for response in (declared, chunked):
+        assert response.status_code == 413, response.text
+        assert "65536" in response.json()["error"]["message"]
+        assert response.headers["X-Request-Id"]
+    assert fits.status_code == 200
+    assert len(fleet.prefill_a.generation_requests()) == 1
+
+
+def test_the_proxys_own_errors_carry_the_request_id(fleet: Fleet, start_proxy: StartProxy) -> None:
+    unreachable = start_proxy([fleet.dead_url], [fleet.url(fleet.decode_a)])
+    slow = start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a)], timeout_s=0.3)
+    fleet.decode_a.delay_s = 1.5
+
+    answers = {
+        400: unreachable.post(COMPLETIONS, content=b"not json", headers={"X-Request-Id": "a"}),
+        502: unreachable.post(
+            COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS], headers={"X-Request-Id": "b"}
+        ),
+        504: slow.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS], headers={"X-Request-Id": "c"}),
+    }
+
+    for (status, response), request_id in zip(answers.items(), "abc", strict=True):
+        assert response.status_code == status
+        assert response.headers["X-Request-Id"] == request_id
+    generated = unreachable.post(COMPLETIONS, content=b"not json")
+    assert generated.headers["X-Request-Id"]  # one is made up when the client sent none
 
 
 def test_idle_instances_are_used_in_turn(fleet: Fleet, start_proxy: StartProxy) -> None:
@@ -576,6 +630,28 @@ def test_transfer_ids_differ_even_for_one_client_request_id(
     ]
     assert transfer_ids[0] is None and len(set(transfer_ids[1:])) == 2
     assert all(t.startswith("same-") for t in transfer_ids[1:])
+
+
+def test_transfer_ids_fit_the_connectors_limit_whatever_the_client_request_id(
+    fleet: Fleet, proxy: httpx.Client
+) -> None:
+    """A prefill ignores a transfer id longer than MAX_TRANSFER_ID_CHARS, and decode would then
+    wait for it in vain: the proxy's ids always fit, and stay unique."""
+    fleet.prefill_a.hands_off_like_the_connector = True
+    long_id = "r" * 1000
+    for _ in range(3):
+        response = proxy.post(
+            COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS], headers={"X-Request-Id": long_id}
+        )
+        assert response.status_code == 200
+        assert response.headers["X-Request-Id"] == long_id
+    transfer_ids = [
+        r.body["kv_transfer_params"].get("transfer_id")
+        for r in fleet.prefill_a.generation_requests()[1:]
+    ]
+    assert len(set(transfer_ids)) == 2
+    for transfer_id in transfer_ids:
+        assert 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS and transfer_id.startswith("rrr")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ..params import MAX_TRANSFER_ID_CHARS
 from .balancer import Balancer, Upstream
 from .payloads import (
     InvalidPrefillResponse,
@@ -52,6 +53,10 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 #: What the proxy logs as the status of a request whose client left first (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+
+#: The largest request body accepted (413 above it): a prompt of 100k+ token ids fits many
+#: times over, a client cannot make the proxy buffer without bound.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 #: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
 _FORWARDED_HEADERS = ("Authorization",)
@@ -160,12 +165,14 @@ class DisaggregatingProxy:
         decode: Balancer,
         timeout_s: float,
         overlap_legs: bool = True,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.client = client
         self.prefill = prefill
         self.decode = decode
         self.timeout_s = timeout_s
         self.overlap_legs = overlap_legs
+        self.max_body_bytes = max_body_bytes
         #: prefill base URL -> where its KV can be read, learned from its latest answer
         self.prefill_addresses: dict[str, dict[str, Any]] = {}
 
@@ -274,14 +281,29 @@ class DisaggregatingProxy:
         )
 
     async def generate(self, request: Request, path: str) -> Response:
-        """Run one completion request through prefill and decode."""
+        """Run one completion request through prefill and decode; every answer, the proxy's own
+        errors included, carries the request's ``X-Request-Id``."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
+        response = await self._generate(request, path, request_id)
+        if REQUEST_ID_HEADER not in response.headers:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def _generate(self, request: Request, path: str, request_id: str) -> Response:
+        body = await self._read_body(request)
+        if body is None:
+            return error_response(
+                413,
+                f"request body exceeds {self.max_body_bytes} bytes (the proxy's --max-body-mib)",
+                "RequestTooLargeError",
+            )
         try:
-            client_body = json.loads(await request.body())
-        except ValueError as error:
-            return error_response(400, f"request body is not JSON: {error}", "BadRequestError")
+            client_body = json.loads(body)
+        except (ValueError, RecursionError) as error:
+            reason = "nested too deeply" if isinstance(error, RecursionError) else error
+            return error_response(400, f"request body is not JSON: {reason}", "BadRequestError")
         if not isinstance(client_body, dict):
             return error_response(400, "request body must be a JSON object", "BadRequestError")
-        request_id = request.headers.get(REQUEST_ID_HEADER) or str(uuid.uuid4())
         headers = {REQUEST_ID_HEADER: request_id}
         for name in _FORWARDED_HEADERS:
             if name in request.headers:
@@ -300,6 +322,19 @@ class DisaggregatingProxy:
             )
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return routing.result()
+
+    async def _read_body(self, request: Request) -> bytes | None:
+        """The request body, or None once it exceeds ``max_body_bytes`` (declared or sent)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _route(
         self, path: str, headers: dict[str, str], client_body: dict[str, Any], request_id: str
@@ -393,7 +428,9 @@ class DisaggregatingProxy:
         request_id: str,
     ) -> Response | None:
         """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
-        transfer_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        # Unique, and short enough for prefill to accept whatever id the client sent.
+        suffix = f"-{uuid.uuid4().hex}"
+        transfer_id = request_id[: MAX_TRANSFER_ID_CHARS - len(suffix)] + suffix
         decode_params = overlapped_decode_params(address, transfer_id)
         decode_leg = asyncio.create_task(
             self.open(self.decode, "POST", path, headers, decode_body(client_body, decode_params))
@@ -509,10 +546,13 @@ def create_app(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     overlap_legs: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Build the proxy app for the given prefill and decode instances (base URLs)."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     prefill = Balancer("prefill", prefill_urls)
     decode = Balancer("decode", decode_urls)
 
@@ -526,7 +566,9 @@ def create_app(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         ) as client:
-            app.state.proxy = DisaggregatingProxy(client, prefill, decode, timeout_s, overlap_legs)
+            app.state.proxy = DisaggregatingProxy(
+                client, prefill, decode, timeout_s, overlap_legs, max_body_bytes
+            )
             logger.info(
                 "proxying to prefill %s and decode %s",
                 [upstream.url for upstream in prefill.upstreams],

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from .app import DEFAULT_TIMEOUT_S, create_app
+from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, create_app
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -31,6 +31,13 @@ def _positive_seconds(value: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return seconds
+
+
+def _positive_mib(value: str) -> int:
+    mib = int(value)
+    if mib <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {value}")
+    return mib
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the decode leg only after prefill answered, never both at once (overlapped "
         "legs, the default once a prefill instance has answered, save a round trip)",
     )
+    parser.add_argument(
+        "--max-body-mib",
+        type=_positive_mib,
+        default=DEFAULT_MAX_BODY_BYTES >> 20,
+        help="largest request body accepted, in MiB (413 above it); default %(default)d",
+    )
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
     return parser
 
@@ -85,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.decode,
             timeout_s=args.timeout_s,
             overlap_legs=not args.serial_legs,
+            max_body_bytes=args.max_body_mib << 20,
         )
     except ValueError as error:
         logging.getLogger(__name__).error("%s", error)
