@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .log import get_logger
-from .params import InvalidTransferParams, RemotePrefill, parse_remote_prefill, transfer_id_of
+from .params import (
+    MAX_TRANSFER_ID_CHARS,
+    TRANSFER_ID_KEY,
+    InvalidTransferParams,
+    RemotePrefill,
+    parse_remote_prefill,
+    transfer_id_of,
+)
 from .pull import HoldRequest, PullRequest
 
 if TYPE_CHECKING:
@@ -196,6 +203,15 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         transfer_id = transfer_id_of(params, request.request_id)
+        if params.get(TRANSFER_ID_KEY, transfer_id) != transfer_id:
+            logger.warning(
+                "request %s: ignoring transfer_id %.64r (not a string of 1 to %d characters); "
+                "its KV is held under the request id, so a decode admitted under that transfer "
+                "id waits for it in vain",
+                request.request_id,
+                params[TRANSFER_ID_KEY],
+                MAX_TRANSFER_ID_CHARS,
+            )
         prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
         handed_off = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
