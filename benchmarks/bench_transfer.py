@@ -71,7 +71,7 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str) -> Result:
                 remote_block_ids=tuple(range(blocks)),
             )
             for rank in range(case.prefill_tp):
-                prefill[rank].call("hold", [request.transfer_id])
+                prefill[rank].call("hold", [request])
             for rank in range(case.decode_tp):
                 decode[rank].send("pull", [request], 600.0)
             outcomes = [decode[rank].receive(900) for rank in range(case.decode_tp)]

@@ -141,17 +141,23 @@ class _InFlight:
 def _agreed_block_ids(
     pull: PullRequest, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
 ) -> tuple[int, ...]:
-    """The prefill block ids a grant names, checked against the other ranks' and the prompt."""
+    """The prefill block ids a grant names, checked against the prompt and against what is
+    already known: the request's params (serial legs) or the other ranks' grants (overlapped).
+
+    A decode reads only blocks that prefill holds for this transfer: params naming other blocks
+    (a client's own, or a stale or forged hand-off) are refused, not read."""
     block_ids = tuple(granted.block_ids)
-    if so_far is not None and block_ids != so_far:
-        raise RuntimeError(
-            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
-            f"another rank in {list(so_far)[:8]}...: the ranks disagree"
-        )
     if granted.num_prompt_tokens != pull.num_prompt_tokens or not block_ids:
         raise RuntimeError(
             f"prefill computed {granted.num_prompt_tokens} prompt tokens in {len(block_ids)} "
             f"blocks, the decode request has {pull.num_prompt_tokens} tokens"
+        )
+    if so_far is not None and block_ids != so_far:
+        named_by = "another prefill rank" if pull.early else "the request's kv_transfer_params"
+        raise RuntimeError(
+            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
+            f"{named_by} in {list(so_far)[:8]}...: refusing to read blocks prefill does not hold "
+            f"for this transfer"
         )
     return block_ids
 
@@ -304,8 +310,7 @@ class Receiver:
         if pull.local_block_ids:
             for peer in peers.values():
                 granted = self._first_claim(pull, peer, remote_tables)
-                if pull.early:
-                    remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
+                remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
         timeline.granted = time.monotonic()
         staging = None
         if pull.local_block_ids and self._needs_staging(

@@ -173,7 +173,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
         decode.call("setup_decode", case, 0)
         big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
         for worker in prefill:
-            worker.call("hold", [big.transfer_id])
+            worker.call("hold", [big])
         started = time.monotonic()
         decode.send("pull", [big], 120.0)
         time.sleep(0.3)
@@ -189,7 +189,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
         prefill[1].call("setup_prefill", case, 1)
         small = RequestSpec("small", "small-transfer", (97, 98), (5, 6))
         for worker in prefill:
-            worker.call("hold", [small.transfer_id])
+            worker.call("hold", [small])
         after = decode.call("pull", [small], 60.0)
         assert after.done == ["small"] and after.wrong_requests == {} and after.stray_bytes == 0
     finally:
@@ -246,6 +246,25 @@ def test_early_pulls_fail_fast_when_prefill_drops_them_or_computed_another_promp
         assert report["counts"] == {"t-fine": 1, "t-other": 1} and report["expired"] == 0
 
 
+def test_params_naming_blocks_prefill_does_not_hold_for_the_transfer_are_never_read(workers):
+    """Serial legs: decode reads only the blocks prefill's grant names for the transfer id.
+    Params that name other blocks of the same prefill (a client's own, a stale or a forged
+    hand-off) fail the pull before any byte moves; the right params still pull byte-exact."""
+    held = RequestSpec("held", "t-held", (0, 1), (3, 4))
+    forged = RequestSpec("forged", "t-held", (2, 3), (5, 6))  # same transfer, other blocks
+    with two_prefill_ranks_one_decode(workers, "forged-blocks") as (prefill, decode):
+        for rank in range(2):
+            prefill[rank].call("hold", [held])
+        refused = decode.call("pull", [forged], 60.0)
+        written = decode.call("bytes_changed")  # in the refused request's own blocks too
+        for rank in range(2):
+            prefill[rank].call("hold", [RequestSpec("held", "t-held-2", (0, 1), (3, 4))])
+        pulled = decode.call("pull", [RequestSpec("held", "t-held-2", (0, 1), (3, 4))], 60.0)
+    assert refused.done == [] and refused.stray_bytes == 0 and written == 0
+    assert "refusing to read blocks prefill does not hold" in refused.failed["forged"]
+    assert pulled.done == ["held"] and pulled.wrong_requests == {} and pulled.stray_bytes == 0
+
+
 def test_a_read_outliving_the_timeout_is_reported_only_once_no_byte_can_land() -> None:
     """A prefill worker frozen mid-read (SIGSTOP) past MC_TRANSFER_TIMEOUT, then thawed: its
     in-flight descriptors land late. The request is reported failed only after they settled
@@ -285,7 +304,7 @@ def test_a_read_outliving_the_timeout_is_reported_only_once_no_byte_can_land() -
         decode.call("setup_decode", case, 0)
         big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
         for worker in prefill:
-            worker.call("hold", [big.transfer_id])
+            worker.call("hold", [big])
         started = time.monotonic()
         decode.send("pull", [big], 120.0)
         time.sleep(0.3)

@@ -247,17 +247,14 @@ class _WorkerState:
         self.finished_counts = {}
         return self.engine.session
 
-    def hold(self, requests: list[RequestSpec | str]) -> None:
-        """Prefill is done with these requests (transfer ids alone: block ids unknown)."""
+    def hold(self, requests: list[RequestSpec]) -> None:
+        """Prefill is done with these requests: hold their blocks for decode's reads."""
         for spec in requests:
-            if isinstance(spec, str):
-                self.sender.tracker.hold(spec)
-            else:
-                self.sender.tracker.hold(
-                    spec.transfer_id,
-                    block_ids=spec.remote_block_ids,
-                    num_prompt_tokens=spec.num_prompt_tokens,
-                )
+            self.sender.tracker.hold(
+                spec.transfer_id,
+                block_ids=spec.remote_block_ids,
+                num_prompt_tokens=spec.num_prompt_tokens,
+            )
 
     def drop(self, transfer_ids: list[str]) -> None:
         """Prefill ended these requests without a hand-off (aborted)."""
