@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .params import MAX_TRANSFER_ID_CHARS
 from .topology import TopologyError, TransferTopology
 
 CONNECTOR_NAME = "MooncakeHeteroConnector"
@@ -167,6 +168,11 @@ def parse_config(
             f"with kv_producer and the decode instance with kv_consumer"
         )
     role = roles[kv_role]
+    if not 0 < len(engine_id) <= MAX_TRANSFER_ID_CHARS:
+        raise ConnectorConfigError(
+            f"engine_id must have 1 to {MAX_TRANSFER_ID_CHARS} characters (it travels in "
+            f"kv_transfer_params and on the side channel), got {len(engine_id)}"
+        )
     if local_pp != 1:
         raise ConnectorConfigError(
             f"pipeline parallelism ({local_pp} stages) is not supported by {CONNECTOR_NAME}; "

@@ -14,14 +14,17 @@ done; prefill checks the prompt length there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 MAX_REMOTE_BLOCKS = 1 << 20
 #: On a prefill request: the id the decode side will claim the prompt's KV under.
 TRANSFER_ID_KEY = "transfer_id"
+#: The longest id (transfer, engine) or host name accepted; the side channel carries no longer.
 MAX_TRANSFER_ID_CHARS = 256
+
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_TRANSFER_ID_CHARS)]
 
 
 class InvalidTransferParams(ValueError):
@@ -31,9 +34,9 @@ class InvalidTransferParams(ValueError):
 class RemotePrefill(msgspec.Struct, frozen=True):
     """What a decode instance needs to pull a request's KV from a prefill instance."""
 
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
+    remote_engine_id: _Name
+    remote_request_id: _Name
+    remote_host: _Name
     remote_port: int
     remote_tp_size: int
     #: None: prefill is still computing; its read lease will carry the block ids.

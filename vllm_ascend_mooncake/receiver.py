@@ -42,7 +42,7 @@ from .relayout import LocalMemory, apply_row_copies, apply_swaps
 from .side_channel import PeerRefused, SideChannelClient, SideChannelError
 from .timeline import PullTimeline
 from .topology import TransferTopology, request_seed
-from .wire import ClaimRead, ClaimReply, ReadDone
+from .wire import ClaimRead, ClaimReply, ReadDone, bounded_text
 
 logger = get_logger(__name__)
 
@@ -554,6 +554,6 @@ class Receiver:
             decode_rank=self._rank,
             incarnation=peer.incarnation,
             success=failure is None,
-            reason=failure or "",
+            reason=bounded_text(failure or ""),
         )
         self._notifier.send(peer.host, peer.port, peer.rank, message)

@@ -37,6 +37,7 @@ from .wire import (
     Message,
     ReadDone,
     WorkerMetadata,
+    bounded_text,
 )
 
 logger = get_logger(__name__)
@@ -44,6 +45,12 @@ logger = get_logger(__name__)
 # Early read-done notifications and released ids are remembered this many timeouts long; a
 # hostile peer can therefore grow them only at its own message rate, for a bounded time.
 MEMORY_TIMEOUTS = 2
+#: However often a transfer is claimed, its blocks are held at most this many release timeouts
+#: in all: a reader that keeps renewing its lease cannot pin prefill memory for ever.
+MAX_HOLD_TIMEOUTS = 4
+#: Read-done notices for requests this rank does not hold yet that are remembered at most: a
+#: flood of notices for made-up ids cannot grow memory past this (the rest are ignored).
+MAX_EARLY_NOTICES = 1 << 16
 #: The longest a pending claim is held open before it is answered "pending" anyway.
 MAX_CLAIM_PARK_S = 5.0
 
@@ -56,6 +63,7 @@ class _Held:
     block_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = -1
     failed_readers: set[int] = field(default_factory=set)
+    hold_ends: float = float("inf")  # the latest deadline any lease may extend to
 
 
 class SendTracker:
@@ -81,6 +89,7 @@ class SendTracker:
         self._finished: set[str] = set()
         self.num_expired = 0
         self._expired_reported = 0
+        self.num_ignored_notices = 0
         #: Called (outside the lock) after a hold or a drop, so parked claims are answered.
         self.on_change: Callable[[], None] | None = None
 
@@ -132,12 +141,14 @@ class SendTracker:
             if not readers:
                 self._release(transfer_id, request_id)
                 return
+            now = self._clock()
             self._held[transfer_id] = _Held(
                 request_id,
                 readers,
-                self._clock() + self._timeout,
+                now + self._timeout,
                 block_ids,
                 num_prompt_tokens,
+                hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
             )
 
     def drop(self, transfer_id: str) -> None:
@@ -167,10 +178,16 @@ class SendTracker:
                         reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
                         f"decode request has {num_prompt_tokens}: the prompts differ",
                     )
-                held.deadline = max(held.deadline, now + self._timeout)
+                held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
+                if held.deadline <= now:
+                    return ClaimReply(
+                        "refused",
+                        reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
+                        f"longest any transfer is held",
+                    )
                 return ClaimReply(
                     "granted",
-                    lease_s=self._timeout,
+                    lease_s=held.deadline - now,
                     block_ids=list(held.block_ids),
                     num_prompt_tokens=held.num_prompt_tokens,
                 )
@@ -184,10 +201,21 @@ class SendTracker:
         with self._lock:
             held = self._held.get(transfer_id)
             if held is None:
-                if transfer_id not in self._released:
-                    forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                    early, _ = self._early.setdefault(transfer_id, (set(), forget))
-                    early.add(decode_rank)
+                if transfer_id in self._released:
+                    return
+                if transfer_id not in self._early and len(self._early) >= MAX_EARLY_NOTICES:
+                    self.num_ignored_notices += 1
+                    if self.num_ignored_notices % 1000 == 1:
+                        logger.warning(
+                            "%d read-done notices for requests this rank never held were "
+                            "ignored (more than %d pending): a misbehaving or hostile peer?",
+                            self.num_ignored_notices,
+                            MAX_EARLY_NOTICES,
+                        )
+                    return
+                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+                early, _ = self._early.setdefault(transfer_id, (set(), forget))
+                early.add(decode_rank)
                 return
             held.readers_left.discard(decode_rank)
             if not success:
@@ -261,8 +289,10 @@ class PrefillSender:
         if incarnation == self.metadata.incarnation:
             return None
         return ErrorReply(
-            f"addressed to incarnation {incarnation} but this worker is "
-            f"{self.metadata.incarnation} (it restarted; its KV is gone)"
+            bounded_text(
+                f"addressed to incarnation {incarnation} but this worker is "
+                f"{self.metadata.incarnation} (it restarted; its KV is gone)"
+            )
         )
 
     def _handle(self, message: Message) -> Message | Park:

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 import zmq
 
 from .log import get_logger
-from .wire import ErrorReply, GetMetadata, Message, WireError, decode, encode
+from .wire import (
+    MAX_MESSAGE_BYTES,
+    ErrorReply,
+    GetMetadata,
+    Message,
+    WireError,
+    bounded_text,
+    decode,
+    encode,
+)
 
 logger = get_logger(__name__)
 
@@ -61,6 +70,8 @@ class SideChannelServer:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A larger frame makes ZMQ drop that peer's connection before buffering it.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -97,7 +108,7 @@ class SideChannelServer:
             reply = self._handler(message)
         except Exception as exc:  # a handler bug must not kill the server thread
             logger.exception("side channel handler failed")
-            reply = ErrorReply(f"internal error: {exc}")
+            reply = ErrorReply(bounded_text(f"internal error: {exc}"))
         if isinstance(reply, Park):
             park = parked or reply
             if time.monotonic() < park.deadline and (parked or len(self._parked) < MAX_PARKED):
@@ -134,7 +145,8 @@ class SideChannelServer:
                 message = decode(payload)
             except WireError as exc:
                 logger.warning("side channel rejected a message: %s", exc)
-                self._socket.send_multipart([identity, b"", encode(ErrorReply(str(exc)))])
+                reply = ErrorReply(bounded_text(str(exc)))
+                self._socket.send_multipart([identity, b"", encode(reply)])
                 continue
             self._answer(identity, message)
         self._socket.close()
@@ -168,6 +180,7 @@ class SideChannelClient:
             host, port = peer
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(zmq_address(host, port))

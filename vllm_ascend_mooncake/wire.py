@@ -17,12 +17,35 @@ Flow (decode pulls):
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from .layout import BlockOrder, LayoutError, Region, RegionLayout
+from .params import MAX_REMOTE_BLOCKS, MAX_TRANSFER_ID_CHARS
 
 PROTOCOL_VERSION = 2
+#: The largest frame a side-channel socket accepts (ZMQ drops the peer that sends more).
 MAX_MESSAGE_BYTES = 16 << 20
+#: Every variable-length field is bounded, so that no peer can make a worker keep more than a
+#: few KiB per message it remembers (early read-done notices are remembered for minutes).
+MAX_ID_CHARS = MAX_TRANSFER_ID_CHARS  # request, transfer and engine ids, incarnations, sessions
+MAX_TEXT_CHARS = 4096  # reasons, error messages, names
+MAX_REGIONS = 1 << 16
+MAX_RANK = 1 << 16
+
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
+Size = Annotated[int, msgspec.Meta(ge=0)]
+BlockIds = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)
+]
+
+
+def bounded_text(text: str) -> str:
+    """``text`` cut to what the wire carries (an over-long field would void the whole message)."""
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 3] + "..."
 
 
 class WireError(ValueError):
@@ -30,14 +53,14 @@ class WireError(ValueError):
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
-    name: str
-    base: int
-    block_order: str
-    num_blocks: int
-    block_stride: int
-    num_heads: int
-    tokens_per_block: int
-    head_token_bytes: int
+    name: Text
+    base: Size
+    block_order: Id
+    num_blocks: Size
+    block_stride: Size
+    num_heads: Size
+    tokens_per_block: Size
+    head_token_bytes: Size
 
     @classmethod
     def of(cls, region: Region) -> RegionInfo:
@@ -77,30 +100,30 @@ class RegionInfo(msgspec.Struct, frozen=True):
 class ModelIdentity(msgspec.Struct, frozen=True):
     """What must match for two instances' KV bytes to be interchangeable."""
 
-    model: str
-    dtype: str
-    kv_cache_dtype: str
-    block_size: int
-    head_size: int
-    num_kv_heads: int
-    num_layers: int
+    model: Text
+    dtype: Id
+    kv_cache_dtype: Id
+    block_size: Size
+    head_size: Size
+    num_kv_heads: Size
+    num_layers: Size
     is_mla: bool
-    attention_backend: str = ""
+    attention_backend: Id = ""
 
 
 class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
     """A worker's registration, served by prefill workers to the decode workers that read them."""
 
-    engine_id: str
-    incarnation: str
-    tp_rank: int
-    tp_size: int
-    dp_rank: int
-    dp_size: int
-    pp_size: int
-    te_session: str
+    engine_id: Id
+    incarnation: Id
+    tp_rank: Rank
+    tp_size: Rank
+    dp_rank: Rank
+    dp_size: Rank
+    pp_size: Rank
+    te_session: Id
     identity: ModelIdentity
-    regions: list[RegionInfo]
+    regions: Annotated[list[RegionInfo], msgspec.Meta(max_length=MAX_REGIONS)]
 
     def to_regions(self) -> list[Region]:
         return [info.to_region() for info in self.regions]
@@ -117,11 +140,11 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
     compares with its own. While the request is pending, prefill may hold the reply back for up
     to ``wait_s`` seconds and answer as soon as it registers the request."""
 
-    request_id: str
-    decode_rank: int
-    incarnation: str
+    request_id: Id
+    decode_rank: Rank
+    incarnation: Id
     num_prompt_tokens: int = -1
-    wait_s: float = 0.0
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
@@ -129,21 +152,21 @@ class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
     request is not registered yet, ask again shortly; ``refused``: never read it (released,
     restarted, not a reader, or another prompt). A grant carries the prompt's block ids."""
 
-    status: str
+    status: Id
     lease_s: float = 0.0
-    reason: str = ""
-    block_ids: list[int] = msgspec.field(default_factory=list)
+    reason: Text = ""
+    block_ids: BlockIds = msgspec.field(default_factory=list)
     num_prompt_tokens: int = -1
 
 
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     """A decode rank finished reading a request from this prefill rank (or gave up)."""
 
-    request_id: str
-    decode_rank: int
-    incarnation: str
+    request_id: Id
+    decode_rank: Rank
+    incarnation: Id
     success: bool
-    reason: str = ""
+    reason: Text = ""
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -151,7 +174,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
-    message: str
+    message: Text
 
 
 Message = GetMetadata | WorkerMetadata | ClaimRead | ClaimReply | ReadDone | Ack | ErrorReply

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_ascend_mooncake.sender import SendTracker
+from vllm_ascend_mooncake import sender
+from vllm_ascend_mooncake.sender import MAX_HOLD_TIMEOUTS, SendTracker
 from vllm_ascend_mooncake.topology import TransferTopology, request_seed
 
 
@@ -148,3 +149,32 @@ def test_an_idle_engine_step_sleeps_until_a_hold_can_be_freed() -> None:
     started = time.monotonic()
     t.wait_for_news(5.0)  # nothing held any more
     assert time.monotonic() - started < 1.0
+
+
+def test_renewed_leases_never_hold_a_transfer_past_its_cap() -> None:
+    """A reader that keeps claiming cannot pin the blocks: the lease shrinks to the cap, then
+    claims are refused and the hold expires."""
+    t, clock, _ = tracker(timeout=10.0)
+    t.hold("r")
+    leases = []
+    for step in range(1, 50):
+        clock.now = step * 2.0
+        reply = t.claim("r", 0)
+        if reply.status != "granted":
+            break
+        leases.append(reply.lease_s)
+        assert clock.now + reply.lease_s <= MAX_HOLD_TIMEOUTS * 10.0
+    assert reply.status == "refused" and "release timeouts" in reply.reason
+    assert leases[0] == 10.0 and leases[-1] < 10.0
+    assert t.take_finished() == {"r"} and t.take_expired_count() == 1
+
+
+def test_notices_for_requests_never_held_are_remembered_up_to_a_bound(monkeypatch) -> None:
+    monkeypatch.setattr(sender, "MAX_EARLY_NOTICES", 100)
+    t, _, _ = tracker()
+    for i in range(150):
+        t.read_done(f"made-up-{i}", 0, True)
+    t.read_done("made-up-3", 1, True)  # an id already remembered still counts
+    assert t.num_ignored_notices == 50
+    t.hold("made-up-3")
+    assert t.take_finished() == {"made-up-3"}  # both readers' early notices were kept

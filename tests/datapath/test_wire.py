@@ -15,12 +15,16 @@ from hypothesis import strategies as st
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.side_channel import Park, SideChannelClient, SideChannelServer
 from vllm_ascend_mooncake.wire import (
+    MAX_ID_CHARS,
+    MAX_MESSAGE_BYTES,
+    MAX_TEXT_CHARS,
     Ack,
     ClaimRead,
     ClaimReply,
     GetMetadata,
     ReadDone,
     WireError,
+    bounded_text,
     decode,
     encode,
 )
@@ -141,3 +145,51 @@ def test_a_parked_request_is_answered_on_wake_or_at_its_deadline_and_blocks_nobo
     finally:
         client.close()
         server.close()
+
+
+def test_a_hostile_peer_is_bounded_and_the_server_keeps_serving() -> None:
+    """Oversized, negative and over-long fields are refused before any handler sees them, a
+    frame above MAX_MESSAGE_BYTES costs the sender its connection (ZMQ never buffers it), and
+    the server answers everyone else within a second throughout."""
+    seen = []
+
+    def handler(message):
+        seen.append(message)
+        return Ack()
+
+    port = free_port_range(1)
+    server = SideChannelServer("127.0.0.1", port, handler)
+    client = SideChannelClient(timeout_s=5)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://127.0.0.1:{port}")
+
+    def refused(body: dict) -> bytes:
+        raw.send_multipart([b"", msgspec.msgpack.encode({"version": 2, "body": body})])
+        assert raw.poll(5000), "no answer to a malformed message"
+        return raw.recv_multipart()[1]
+
+    try:
+        claim = {"type": "claim_read", "decode_rank": 0, "incarnation": "i"}
+        assert b"length <= 256" in refused({**claim, "request_id": "r" * (MAX_ID_CHARS + 1)})
+        assert b">= 0" in refused({**claim, "request_id": "r", "decode_rank": -1})
+        done = {"type": "read_done", "request_id": "r", "decode_rank": 0, "incarnation": "i"}
+        huge_reason = {**done, "success": False, "reason": "x" * (MAX_TEXT_CHARS + 1)}
+        assert b"length <=" in refused(huge_reason)
+        assert seen == []  # no handler saw any of them
+
+        raw.send_multipart([b"", b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+        started = time.monotonic()
+        assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
+        assert time.monotonic() - started < 1.0
+        assert not raw.poll(500), "an oversized frame was answered"
+    finally:
+        raw.close()
+        client.close()
+        server.close()
+
+
+def test_our_own_long_reasons_are_cut_to_fit_the_wire() -> None:
+    reason = bounded_text("y" * (10 * MAX_TEXT_CHARS))
+    assert len(reason) == MAX_TEXT_CHARS
+    assert decode(encode(ReadDone("r", 0, "i", False, reason))).reason == reason
