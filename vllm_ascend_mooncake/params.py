@@ -93,3 +93,25 @@ def parse_remote_prefill(
     if any(b < 0 for b in blocks):
         raise InvalidTransferParams("negative remote block id")
     return parsed
+
+
+class ReleaseTarget(msgspec.Struct, frozen=True):
+    """Where a prefill holds a transfer, from params too broken to pull with: enough to tell
+    that prefill nobody will read it, so it frees the blocks now instead of at its timeout."""
+
+    remote_engine_id: _Name
+    remote_request_id: _Name
+    remote_host: _Name
+    remote_port: int
+
+
+def release_target(params: dict[str, Any]) -> ReleaseTarget | None:
+    """The prefill a rejected hand-off names, if it names one well enough to be told."""
+    fields = {key: params.get(key) for key in ReleaseTarget.__struct_fields__}
+    try:
+        target = msgspec.convert(fields, ReleaseTarget, strict=True)
+    except msgspec.ValidationError:
+        return None
+    if not (0 < target.remote_port < 65536 and target.remote_host and target.remote_request_id):
+        return None
+    return target

@@ -385,6 +385,7 @@ class Receiver:
             peer.incarnation,
             pull.num_prompt_tokens,
             wait_s=options.claim_park_s,
+            decode_tp=self._topology.decode_tp,
         )
         silent = 0
         while True:

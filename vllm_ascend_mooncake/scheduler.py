@@ -33,6 +33,7 @@ from .params import (
     InvalidTransferParams,
     RemotePrefill,
     parse_remote_prefill,
+    release_target,
     transfer_id_of,
 )
 from .pull import HoldRequest, PullRequest
@@ -115,6 +116,7 @@ class ConnectorScheduler:
                 exc,
             )
             params["do_remote_prefill"] = False
+            self._release_rejected(request)
             return None
         self._remote[request.request_id] = remote
         self._pulling[remote.remote_request_id] = request.request_id
@@ -149,6 +151,25 @@ class ConnectorScheduler:
         # Without local blocks vLLM loads nothing (e.g. prompt_logprobs skip external KV): the
         # pull only releases prefill's hold and the workers never report it.
         self._orders.pulls.append(self._pull_order(request, remote, local))
+
+    def _release_rejected(self, request: Request) -> None:
+        """Params this decode will not pull with still name a prefill holding the KV: tell it
+        (a release-only pull) so it frees the blocks now, not at its ``release_timeout_s``."""
+        target = release_target(request.kv_transfer_params)
+        if target is None:
+            return
+        self._orders.pulls.append(
+            PullRequest(
+                request_id=request.request_id,
+                transfer_id=target.remote_request_id,
+                local_block_ids=(),
+                remote_block_ids=None,
+                remote_host=target.remote_host,
+                remote_port=target.remote_port,
+                remote_engine_id=target.remote_engine_id,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        )
 
     def _pull_order(self, request: Request, remote: RemotePrefill, local: list[int]) -> PullRequest:
         blocks = remote.remote_block_ids
@@ -197,6 +218,8 @@ class ConnectorScheduler:
             params["do_remote_prefill"] = False
             if remote is not None:
                 self._orders.pulls.append(self._pull_order(request, remote, []))
+            else:
+                self._release_rejected(request)
             return False, None
         if not params.get("do_remote_decode") or not self.config.is_producer:
             return False, None

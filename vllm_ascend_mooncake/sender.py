@@ -161,11 +161,30 @@ class SendTracker:
         if self.on_change is not None:
             self.on_change()
 
-    def claim(self, transfer_id: str, decode_rank: int, num_prompt_tokens: int = -1) -> ClaimReply:
-        """Grant (or renew) a read lease with the prompt's block ids, or say why not."""
+    def claim(
+        self,
+        transfer_id: str,
+        decode_rank: int,
+        num_prompt_tokens: int = -1,
+        decode_tp: int = -1,
+    ) -> ClaimReply:
+        """Grant (or renew) a read lease with the prompt's block ids, or say why not.
+
+        A reader whose decode TP differs from this rank's configuration reads other heads than
+        this rank expects (and other ranks than would read): refused, and the hold is freed at
+        once, since the readers this rank waits for will never all come."""
         now = self._clock()
         with self._lock:
             held = self._held.get(transfer_id)
+            if held is not None and decode_tp >= 0 and decode_tp != self._topology.decode_tp:
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id)
+                return ClaimReply(
+                    "refused",
+                    reason=f"the decode instance runs TP {decode_tp}, but this prefill instance "
+                    f"is configured for decode TP {self._topology.decode_tp}: set "
+                    f"kv_connector_extra_config's decode.tp_size alike on both",
+                )
             if held is not None:
                 if decode_rank not in held.readers_left:
                     return ClaimReply(
@@ -303,7 +322,10 @@ class PrefillSender:
             if stale is not None:
                 return stale
             reply = self.tracker.claim(
-                message.request_id, message.decode_rank, message.num_prompt_tokens
+                message.request_id,
+                message.decode_rank,
+                message.num_prompt_tokens,
+                message.decode_tp,
             )
             if reply.status == "pending" and message.wait_s > 0:
                 # Answer when prefill registers the request (a hold wakes the server), not later.

@@ -137,14 +137,16 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
     """Before reading (and to renew): may this decode rank read the request's blocks now?
 
     ``num_prompt_tokens`` (-1: unchecked) is the decode request's prompt length, which prefill
-    compares with its own. While the request is pending, prefill may hold the reply back for up
-    to ``wait_s`` seconds and answer as soon as it registers the request."""
+    compares with its own; ``decode_tp`` (-1: unchecked) likewise. While the request is pending,
+    prefill may hold the reply back for up to ``wait_s`` seconds and answer as soon as it
+    registers the request."""
 
     request_id: Id
     decode_rank: Rank
     incarnation: Id
     num_prompt_tokens: int = -1
     wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    decode_tp: int = -1  # the reader's TP size, which prefill checks against its own view
 
 
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):

@@ -183,26 +183,39 @@ def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
 
 
 @pytest.mark.parametrize(
-    "corrupt",
+    "corrupt,names_a_prefill",
     [
-        lambda p: p.update(remote_block_ids="lots"),
-        lambda p: p.update(remote_block_ids=[1, 2]),  # wrong count for the prompt
-        lambda p: p.update(remote_block_ids=[-1, 2, 3]),
-        lambda p: p.update(remote_port=70000),
-        lambda p: p.update(remote_tp_size=4),
-        lambda p: p.update(remote_num_tokens=71),
-        lambda p: p.pop("remote_engine_id"),
-        lambda p: p.update(remote_host=""),
+        (lambda p: p.update(remote_block_ids="lots"), True),
+        (lambda p: p.update(remote_block_ids=[1, 2]), True),  # wrong count for the prompt
+        (lambda p: p.update(remote_block_ids=[-1, 2, 3]), True),
+        (lambda p: p.update(remote_port=70000), False),
+        (lambda p: p.update(remote_tp_size=4), True),
+        (lambda p: p.update(remote_num_tokens=71), True),
+        (lambda p: p.pop("remote_engine_id"), False),
+        (lambda p: p.update(remote_host=""), False),
+        (lambda p: p.update(remote_request_id="t" * (MAX_TRANSFER_ID_CHARS + 1)), False),
     ],
 )
-def test_decode_ignores_bad_params_and_computes_locally(corrupt) -> None:
+def test_decode_ignores_bad_params_computes_locally_and_frees_the_prefill(
+    corrupt, names_a_prefill
+) -> None:
+    """Rejected params that still name a prefill get a release-only pull: prefill frees the
+    blocks now, not at its release timeout."""
     d = scheduler("kv_consumer")
     params = prefill_params(70)
     corrupt(params)
     req = request("d-5", 70, params)
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.kv_transfer_params["do_remote_prefill"] is False
-    assert d.build_step_orders().pulls == []
+    pulls = d.build_step_orders().pulls
+    if names_a_prefill:
+        (pull,) = pulls
+        assert pull.release_only and pull.local_block_ids == ()
+        assert (pull.transfer_id, pull.remote_port) == ("p-1", 40000)
+    else:
+        assert pulls == []
+    assert d.request_finished(req, []) == (False, None)
+    assert d.build_step_orders().pulls == []  # released once
 
 
 def output(recving=None, sending=None):

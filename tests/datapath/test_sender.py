@@ -178,3 +178,14 @@ def test_notices_for_requests_never_held_are_remembered_up_to_a_bound(monkeypatc
     assert t.num_ignored_notices == 50
     t.hold("made-up-3")
     assert t.take_finished() == {"made-up-3"}  # both readers' early notices were kept
+
+
+def test_a_reader_of_another_decode_tp_is_refused_naming_both_and_the_hold_freed() -> None:
+    t, _, _ = tracker(decode_tp=2)
+    t.hold("r")
+    assert t.claim("r", 0, decode_tp=2).status == "granted"
+    reply = t.claim("r", 0, decode_tp=1)
+    assert reply.status == "refused"
+    assert "runs TP 1" in reply.reason and "decode TP 2" in reply.reason
+    assert t.take_finished() == {"r"}  # rank 1 of a TP 2 decode would never come
+    assert t.claim("r", 0, decode_tp=2).status == "refused"

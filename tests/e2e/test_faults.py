@@ -18,6 +18,7 @@ from pd_checks import settled_totals
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
+from vllm_ascend_mooncake.params import release_target
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -143,10 +144,16 @@ def proxy_url(request, deployment) -> str:
     ],
 )
 def test_malformed_params_fall_back_to_local_prefill(deployment, corrupt) -> None:
+    """Decode computes the prompt itself; when the params still say which prefill holds the
+    KV, decode tells it, and prefill frees the blocks at once rather than at its timeout."""
     pd, strict, name, reference = deployment
+    expired_before = pd.transfer_totals()["expired"]
     params = corrupt(prefill_params(pd, name, PROMPT))
     for url in (pd.decode.base_url, strict.base_url):
         assert tokens(completion(url, name, PROMPT, kv_transfer_params=params)) == reference[PROMPT]
+    if release_target(params) is not None:
+        wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S / 2)
+        assert pd.transfer_totals()["expired"] == expired_before
 
 
 @pytest.mark.parametrize(
