@@ -10,6 +10,9 @@ from .layout import LayoutError, check_pairable
 from .topology import TransferTopology
 from .wire import WorkerMetadata
 
+#: Identity fields that name things for messages but need not match.
+_NAMES_ONLY = ("model",)
+
 
 class IncompatiblePeerError(ValueError):
     """The prefill and decode workers cannot exchange KV (different model, layout, geometry)."""
@@ -22,8 +25,13 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
         f"{field} {getattr(remote.identity, field)!r} on prefill vs "
         f"{getattr(local.identity, field)!r} on decode"
         for field in remote.identity.__struct_fields__
-        if getattr(remote.identity, field) != getattr(local.identity, field)
+        if field not in _NAMES_ONLY
+        and getattr(remote.identity, field) != getattr(local.identity, field)
     ]
+    if problems:
+        problems.append(
+            f"prefill serves {remote.identity.model!r}, decode {local.identity.model!r}"
+        )
     if remote.tp_size != topology.prefill_tp:
         problems.append(
             f"prefill runs TP {remote.tp_size} but this decode instance is configured for "

@@ -22,6 +22,10 @@ DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 DEFAULT_RECEIVER_THREADS = 4
 DEFAULT_STAGING_BUFFER_MIB = 64
+#: Where the side-channel secret is read from when kv_connector_extra_config does not set it
+#: (an environment variable keeps it out of command lines and process listings).
+SECRET_ENV = "VAM_SIDE_CHANNEL_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 class ConnectorConfigError(ValueError):
@@ -62,7 +66,9 @@ class ConnectorConfig:
     staging_buffer_mib: int
     read_wait: str = "poll"
     dp_rank: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
+    side_channel_secret: bytes | None = field(default=None, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_producer(self) -> bool:
@@ -102,6 +108,8 @@ _KEYS = {
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
     "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
     "read_wait": "how reads wait: poll (sleeps; default on tcp) or sync (Mooncake's spin)",
+    "side_channel_secret": f"shared secret authenticating side-channel messages (default: "
+    f"${SECRET_ENV}; at least {MIN_SECRET_CHARS} characters)",
 }
 
 
@@ -115,6 +123,19 @@ def _expect(extra: dict[str, Any], key: str, kind: type | tuple[type, ...], defa
             f"got {value!r}"
         )
     return value
+
+
+def _secret(extra: dict[str, Any]) -> bytes | None:
+    """The side-channel secret from the config, else from the environment; None if neither."""
+    secret = _expect(extra, "side_channel_secret", str, os.environ.get(SECRET_ENV, ""))
+    if not secret:
+        return None
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConnectorConfigError(
+            f"the side-channel secret (side_channel_secret or ${SECRET_ENV}) must have at least "
+            f"{MIN_SECRET_CHARS} characters, got {len(secret)}"
+        )
+    return secret.encode()
 
 
 def _positive(key: str, value: float) -> None:
@@ -234,6 +255,7 @@ def parse_config(
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
         read_wait=_expect(extra, "read_wait", str, ""),
         dp_rank=dp_rank,
+        side_channel_secret=_secret(extra),
         extra=extra,
     )
     if config.max_descriptor_kib < 0:

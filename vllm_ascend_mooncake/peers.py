@@ -35,6 +35,11 @@ class PeerDirectory:
         self._cache: dict[tuple[str, int], WorkerMetadata] = {}
         self._lock = threading.Lock()
 
+    @property
+    def local(self) -> WorkerMetadata:
+        """This decode worker's own metadata (its incarnation names it as a reader)."""
+        return self._local
+
     def get(
         self,
         host: str,

@@ -386,6 +386,7 @@ class Receiver:
             pull.num_prompt_tokens,
             wait_s=options.claim_park_s,
             decode_tp=self._topology.decode_tp,
+            reader=self._peers.local.incarnation,
         )
         silent = 0
         while True:
@@ -556,5 +557,6 @@ class Receiver:
             incarnation=peer.incarnation,
             success=failure is None,
             reason=bounded_text(failure or ""),
+            reader=self._peers.local.incarnation,
         )
         self._notifier.send(peer.host, peer.port, peer.rank, message)

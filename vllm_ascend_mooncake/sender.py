@@ -64,6 +64,8 @@ class _Held:
     num_prompt_tokens: int = -1
     failed_readers: set[int] = field(default_factory=set)
     hold_ends: float = float("inf")  # the latest deadline any lease may extend to
+    #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
+    lessees: dict[int, str] = field(default_factory=dict)
 
 
 class SendTracker:
@@ -167,16 +169,28 @@ class SendTracker:
         decode_rank: int,
         num_prompt_tokens: int = -1,
         decode_tp: int = -1,
+        reader: str = "",
     ) -> ClaimReply:
         """Grant (or renew) a read lease with the prompt's block ids, or say why not.
 
-        A reader whose decode TP differs from this rank's configuration reads other heads than
+        A rank's lease is bound to the first ``reader`` it is granted to; another is refused. A
+        reader whose decode TP differs from this rank's configuration reads other heads than
         this rank expects (and other ranks than would read): refused, and the hold is freed at
         once, since the readers this rank waits for will never all come."""
         now = self._clock()
         with self._lock:
             held = self._held.get(transfer_id)
-            if held is not None and decode_tp >= 0 and decode_tp != self._topology.decode_tp:
+            if held is None:
+                if transfer_id in self._released:
+                    return ClaimReply(
+                        "refused", reason="its blocks were already released (or prefill failed)"
+                    )
+                return ClaimReply("pending", reason="prefill has not finished it yet")
+            if held.lessees.get(decode_rank, reader) != reader:
+                return ClaimReply(
+                    "refused", reason=f"decode rank {decode_rank}'s lease is held by another reader"
+                )
+            if decode_tp >= 0 and decode_tp != self._topology.decode_tp:
                 del self._held[transfer_id]
                 self._release(transfer_id, held.request_id)
                 return ClaimReply(
@@ -185,43 +199,43 @@ class SendTracker:
                     f"is configured for decode TP {self._topology.decode_tp}: set "
                     f"kv_connector_extra_config's decode.tp_size alike on both",
                 )
-            if held is not None:
-                if decode_rank not in held.readers_left:
-                    return ClaimReply(
-                        "refused", reason=f"decode rank {decode_rank} is not a reader"
-                    )
-                known = num_prompt_tokens >= 0 and held.num_prompt_tokens >= 0
-                if known and num_prompt_tokens != held.num_prompt_tokens:
-                    return ClaimReply(
-                        "refused",
-                        reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
-                        f"decode request has {num_prompt_tokens}: the prompts differ",
-                    )
-                held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
-                if held.deadline <= now:
-                    return ClaimReply(
-                        "refused",
-                        reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
-                        f"longest any transfer is held",
-                    )
+            if decode_rank not in held.readers_left:
+                return ClaimReply("refused", reason=f"decode rank {decode_rank} is not a reader")
+            known = num_prompt_tokens >= 0 and held.num_prompt_tokens >= 0
+            if known and num_prompt_tokens != held.num_prompt_tokens:
                 return ClaimReply(
-                    "granted",
-                    lease_s=held.deadline - now,
-                    block_ids=list(held.block_ids),
-                    num_prompt_tokens=held.num_prompt_tokens,
+                    "refused",
+                    reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
+                    f"decode request has {num_prompt_tokens}: the prompts differ",
                 )
-            if transfer_id in self._released:
+            held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
+            if held.deadline <= now:
                 return ClaimReply(
-                    "refused", reason="its blocks were already released (or prefill failed)"
+                    "refused",
+                    reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
+                    f"longest any transfer is held",
                 )
-            return ClaimReply("pending", reason="prefill has not finished it yet")
+            if reader:
+                held.lessees[decode_rank] = reader
+            return ClaimReply(
+                "granted",
+                lease_s=held.deadline - now,
+                block_ids=list(held.block_ids),
+                num_prompt_tokens=held.num_prompt_tokens,
+            )
 
-    def read_done(self, transfer_id: str, decode_rank: int, success: bool) -> None:
+    def read_done(
+        self, transfer_id: str, decode_rank: int, success: bool, reader: str = ""
+    ) -> bool:
+        """A decode rank is done with a transfer; False (and ignored) when that rank's lease was
+        granted to another reader."""
         with self._lock:
             held = self._held.get(transfer_id)
+            if held is not None and held.lessees.get(decode_rank, reader) != reader:
+                return False
             if held is None:
                 if transfer_id in self._released:
-                    return
+                    return True
                 if transfer_id not in self._early and len(self._early) >= MAX_EARLY_NOTICES:
                     self.num_ignored_notices += 1
                     if self.num_ignored_notices % 1000 == 1:
@@ -231,17 +245,18 @@ class SendTracker:
                             self.num_ignored_notices,
                             MAX_EARLY_NOTICES,
                         )
-                    return
+                    return True
                 forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
                 early, _ = self._early.setdefault(transfer_id, (set(), forget))
                 early.add(decode_rank)
-                return
+                return True
             held.readers_left.discard(decode_rank)
             if not success:
                 held.failed_readers.add(decode_rank)
             if not held.readers_left:
                 del self._held[transfer_id]
                 self._release(transfer_id, held.request_id)
+        return True
 
     def _release(self, transfer_id: str, request_id: str) -> None:
         """Report the request finished (caller holds the lock) and refuse later claims."""
@@ -297,11 +312,18 @@ class PrefillSender:
     """A prefill worker's side-channel service: metadata, read leases, read-done bookkeeping."""
 
     def __init__(
-        self, metadata: WorkerMetadata, tracker: SendTracker, host: str, port: int
+        self,
+        metadata: WorkerMetadata,
+        tracker: SendTracker,
+        host: str,
+        port: int,
+        secret: bytes | None = None,
     ) -> None:
         self.metadata = metadata
         self.tracker = tracker
-        self._server = SideChannelServer(host, port, self._handle, name=f"vam-sender-{port}")
+        self._server = SideChannelServer(
+            host, port, self._handle, name=f"vam-sender-{port}", secret=secret
+        )
         tracker.on_change = self._server.wake
 
     def _stale(self, incarnation: str) -> ErrorReply | None:
@@ -326,6 +348,7 @@ class PrefillSender:
                 message.decode_rank,
                 message.num_prompt_tokens,
                 message.decode_tp,
+                message.reader,
             )
             if reply.status == "pending" and message.wait_s > 0:
                 # Answer when prefill registers the request (a hold wakes the server), not later.
@@ -343,7 +366,16 @@ class PrefillSender:
                     message.request_id,
                     message.reason,
                 )
-            self.tracker.read_done(message.request_id, message.decode_rank, message.success)
+            if not self.tracker.read_done(
+                message.request_id, message.decode_rank, message.success, message.reader
+            ):
+                logger.warning(
+                    "ignored a read-done notice for request %s, decode rank %d, from a reader "
+                    "the lease was not granted to",
+                    message.request_id,
+                    message.decode_rank,
+                )
+                return ErrorReply("this read lease was granted to another reader")
             return Ack()
         return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
 

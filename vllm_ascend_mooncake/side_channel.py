@@ -8,11 +8,19 @@ called, and sends the park's fallback reply at its deadline. The peer thus gets 
 moment there is one, without polling. The client uses one DEALER socket per peer and thread,
 with a timeout on every exchange; after a timeout the socket is dropped so a late reply cannot be
 mistaken for the next answer.
+
+With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
+both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
+replies keyed apart: a server refuses a request without a valid one (and logs it), a client
+refuses such a reply. It authenticates; it does not encrypt, and a captured message replayed on
+the network only repeats what its sender asked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +51,30 @@ class PeerRefused(SideChannelError):
     """The peer answered, with an error: asking again will not help."""
 
 
+class FrameSigner:
+    """HMAC-SHA256 of each side-channel message under a secret both sides share."""
+
+    _REQUEST, _REPLY = b"vam-request\0", b"vam-reply\0"
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def sign_request(self, payload: bytes) -> bytes:
+        return self._mac(self._REQUEST, payload)
+
+    def sign_reply(self, payload: bytes) -> bytes:
+        return self._mac(self._REPLY, payload)
+
+    def request_is_genuine(self, payload: bytes, mac: bytes | None) -> bool:
+        return mac is not None and hmac.compare_digest(mac, self.sign_request(payload))
+
+    def reply_is_genuine(self, payload: bytes, mac: bytes | None) -> bool:
+        return mac is not None and hmac.compare_digest(mac, self.sign_reply(payload))
+
+    def _mac(self, direction: bytes, payload: bytes) -> bytes:
+        return hmac.new(self._secret, direction + payload, hashlib.sha256).digest()
+
+
 def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -66,7 +98,16 @@ _POLL_MS = 100
 class SideChannelServer:
     """Serves one worker's side channel on a background thread."""
 
-    def __init__(self, host: str, port: int, handler: Handler, name: str = "vam-side-channel"):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        name: str = "vam-side-channel",
+        secret: bytes | None = None,
+    ):
+        self._signer = FrameSigner(secret) if secret else None
+        self._unauthenticated = 0
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -115,7 +156,28 @@ class SideChannelServer:
                 self._parked.append((identity, message, park))
                 return
             reply = park.reply_at_deadline
-        self._socket.send_multipart([identity, b"", encode(reply)])
+        self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: Message) -> None:
+        payload = encode(reply)
+        frames = [identity, b"", payload]
+        if self._signer is not None:
+            frames.append(self._signer.sign_reply(payload))
+        self._socket.send_multipart(frames)
+
+    def _authentic(self, payload: bytes, mac: bytes | None) -> bool:
+        if self._signer is None or self._signer.request_is_genuine(payload, mac):
+            return True
+        self._unauthenticated += 1
+        if self._unauthenticated % 100 == 1:
+            logger.warning(
+                "side channel %s:%d refused %d unauthenticated message(s): the peer has no "
+                "side-channel secret or another one (set the same side_channel_secret, or "
+                "VAM_SIDE_CHANNEL_SECRET, on prefill and decode)",
+                *self.address,
+                self._unauthenticated,
+            )
+        return False
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -137,16 +199,18 @@ class SideChannelServer:
             if self._socket not in events:
                 continue
             frames = self._socket.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"":
+            if len(frames) not in (3, 4) or frames[1] != b"":
                 logger.warning("side channel dropped a message with %d frame(s)", len(frames))
                 continue
-            identity, _, payload = frames
+            identity, payload = frames[0], frames[2]
+            if not self._authentic(payload, frames[3] if len(frames) == 4 else None):
+                self._send(identity, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
+                continue
             try:
                 message = decode(payload)
             except WireError as exc:
                 logger.warning("side channel rejected a message: %s", exc)
-                reply = ErrorReply(bounded_text(str(exc)))
-                self._socket.send_multipart([identity, b"", encode(reply)])
+                self._send(identity, ErrorReply(bounded_text(str(exc))))
                 continue
             self._answer(identity, message)
         self._socket.close()
@@ -166,7 +230,8 @@ class SideChannelClient:
     delays another thread's exchange with that peer.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
+        self._signer = FrameSigner(secret) if secret else None
         self._context = zmq.Context.instance()
         self._timeout_ms = int(timeout_s * 1000)
         self._local = threading.local()
@@ -201,12 +266,22 @@ class SideChannelClient:
         peer = (host, port)
         sock = self._socket(peer)
         try:
-            sock.send_multipart([b"", encode(message)])
+            payload = encode(message)
+            frames = [b"", payload]
+            if self._signer is not None:
+                frames.append(self._signer.sign_request(payload))
+            sock.send_multipart(frames)
             if not sock.poll(self._timeout_ms, zmq.POLLIN):
                 raise SideChannelError(f"no reply from {host}:{port} within {self._timeout_ms} ms")
             frames = sock.recv_multipart()
-            if len(frames) != 2 or frames[0] != b"":
+            if len(frames) not in (2, 3) or frames[0] != b"":
                 raise SideChannelError(f"malformed reply from {host}:{port}")
+            mac = frames[2] if len(frames) == 3 else None
+            if self._signer is not None and not self._signer.reply_is_genuine(frames[1], mac):
+                raise PeerRefused(
+                    f"{host}:{port} answered without a valid side-channel MAC: it has no "
+                    f"side-channel secret or another one"
+                )
             reply = decode(frames[1])
         except (SideChannelError, WireError, zmq.ZMQError) as exc:
             self._drop(peer, sock)

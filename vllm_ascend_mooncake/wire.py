@@ -98,7 +98,12 @@ class RegionInfo(msgspec.Struct, frozen=True):
 
 
 class ModelIdentity(msgspec.Struct, frozen=True):
-    """What must match for two instances' KV bytes to be interchangeable."""
+    """What must match for two instances' KV bytes to be interchangeable.
+
+    ``model`` (the served name or path) only names the model in messages: two instances may
+    serve one model under different names and paths. ``model_config`` is a digest of the model's
+    configuration, ``attention_backend`` the backend and, where it packs blocks its own way (vLLM
+    CPU: the ISA kernel, AMX or not), that packing."""
 
     model: Text
     dtype: Id
@@ -109,6 +114,8 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     num_layers: Size
     is_mla: bool
     attention_backend: Id = ""
+    model_config: Id = ""
+    vllm_version: Id = ""
 
 
 class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
@@ -147,6 +154,7 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
     num_prompt_tokens: int = -1
     wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     decode_tp: int = -1  # the reader's TP size, which prefill checks against its own view
+    reader: Id = ""  # the claiming decode worker's incarnation: the lease is bound to it
 
 
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
@@ -162,13 +170,18 @@ class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
 
 
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
-    """A decode rank finished reading a request from this prefill rank (or gave up)."""
+    """A decode rank finished reading a request from this prefill rank (or gave up).
+
+    Once prefill granted that rank's lease to a reader (the decode worker's incarnation, which
+    only that worker knows: decode workers serve no side channel), only that reader's notice
+    counts: anyone can learn prefill's incarnation, nobody else a decode worker's."""
 
     request_id: Id
     decode_rank: Rank
     incarnation: Id
     success: bool
     reason: Text = ""
+    reader: Id = ""  # must be the reader the lease was granted to, once one was
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

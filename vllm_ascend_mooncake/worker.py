@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .engine import MooncakeEngine
+from .identity import model_identity
 from .log import get_logger
 from .peers import PeerDirectory
 from .plan import StagingArea
@@ -25,7 +26,7 @@ from .scheduler import StepOrders
 from .sender import PrefillSender, SendTracker
 from .side_channel import SideChannelClient
 from .stats import TransferStats
-from .wire import ModelIdentity, RegionInfo, WorkerMetadata
+from .wire import RegionInfo, WorkerMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -108,16 +109,11 @@ class ConnectorWorker:
             dp_size=config.local.dp_size,
             pp_size=1,
             te_session=self.engine.session,
-            identity=ModelIdentity(
-                model=model.served_model_name
-                if isinstance(model.served_model_name, str)
-                else str(model.model),
-                dtype=str(model.dtype),
-                kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            identity=model_identity(
+                vllm_config,
+                ordered,
                 block_size=config.block_size,
-                head_size=model.get_head_size(),
                 num_kv_heads=config.num_kv_heads,
-                num_layers=len(ordered),
                 is_mla=config.is_mla,
             ),
             regions=[RegionInfo.of(r) for r in regions],
@@ -130,9 +126,12 @@ class ConnectorWorker:
                 tracker,
                 config.side_channel_host,
                 config.side_channel_base_port() + self.tp_rank,
+                secret=config.side_channel_secret,
             )
         else:
-            self._client = SideChannelClient(config.side_channel_timeout_s)
+            self._client = SideChannelClient(
+                config.side_channel_timeout_s, secret=config.side_channel_secret
+            )
             staging = StagingPool([StagingArea(t.data_ptr(), t.numel()) for t in staging_tensors])
             self.receiver = Receiver(
                 self.engine,
@@ -156,11 +155,12 @@ class ConnectorWorker:
                 staging,
             )
         logger.info(
-            "%s worker %d ready: %d KV regions (%s), %s",
+            "%s worker %d ready: %d KV regions (%s), attention %s, %s",
             config.role,
             self.tp_rank,
             len(regions),
             regions[0].layout.block_order.value if regions else "none",
+            metadata.identity.attention_backend or "unknown",
             topology.describe(),
         )
 

@@ -18,10 +18,8 @@ state ``start`` left behind.
 from __future__ import annotations
 
 import abc
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +31,7 @@ from typing import IO, Any
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
-from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer
+from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer, stop_process_group
 
 from .transfer_logs import (
     error_lines,
@@ -388,15 +386,8 @@ class VllmMooncakeSystem(BenchSystem):
     def _stop_proxy(self) -> None:
         proxy, self._proxy = self._proxy, None
         try:
-            if proxy is not None and proxy.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proxy.pid, signal.SIGTERM)
-                try:
-                    proxy.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proxy.pid, signal.SIGKILL)
-                    proxy.wait(timeout=10)
+            if proxy is not None:
+                stop_process_group(proxy)
         finally:
             if self._proxy_log_file is not None:
                 self._proxy_log_file.close()

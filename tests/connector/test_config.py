@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ascend_mooncake.config import ConnectorConfigError, parse_config
+from vllm_ascend_mooncake.config import SECRET_ENV, ConnectorConfigError, parse_config
 
 
 def config(**overrides):
@@ -58,8 +58,20 @@ def test_missing_sides_default_to_the_local_tp() -> None:
         ({"extra": {"read_wait": "spin"}}, "'read_wait'\\] must be one of poll, sync"),
         ({"extra": {"side_channel_port": 65535, "prefill": {"tp_size": 2}}}, "leaves no room"),
         ({"local_pp": 2}, "pipeline parallelism"),
+        ({"extra": {"side_channel_secret": "short"}}, "at least 16 characters, got 5"),
+        ({"engine_id": "e" * 257}, "engine_id must have 1 to 256 characters"),
     ],
 )
 def test_bad_settings_name_the_key(overrides, message) -> None:
     with pytest.raises(ConnectorConfigError, match=message):
         config(**overrides)
+
+
+def test_the_side_channel_secret_comes_from_the_config_or_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert config().side_channel_secret is None
+    monkeypatch.setenv(SECRET_ENV, "from the environment")
+    assert config().side_channel_secret == b"from the environment"
+    explicit = config(extra={"side_channel_secret": "from the config file"})
+    assert explicit.side_channel_secret == b"from the config file"
+    assert "from the" not in repr(explicit)  # never in a log line

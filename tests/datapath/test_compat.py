@@ -52,8 +52,16 @@ def test_compatible_pair_passes() -> None:
             "dtype 'bfloat16' on prefill vs 'float32' on decode",
         ),
         (
-            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, model="other")),
-            "model 'other'",
+            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, model_config="cafe")),
+            "model_config 'cafe' on prefill vs '' on decode; prefill serves 'tiny'",
+        ),
+        (
+            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, attention_backend="X/amx")),
+            "attention_backend 'X/amx' on prefill vs '' on decode",
+        ),
+        (
+            metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, vllm_version="0.1")),
+            "vllm_version '0.1' on prefill",
         ),
         (
             metadata(1, 4),
@@ -68,3 +76,8 @@ def test_compatible_pair_passes() -> None:
 def test_mismatches_are_named(remote, message) -> None:
     with pytest.raises(IncompatiblePeerError, match=message):
         check_peer(metadata(4, 1), remote, TOPO)
+
+
+def test_the_served_name_alone_may_differ() -> None:
+    renamed = msgspec.structs.replace(IDENTITY, model="/models/tiny-on-another-host")
+    check_peer(metadata(4, 1), metadata(2, 2, identity=renamed), TOPO)

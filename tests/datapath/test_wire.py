@@ -13,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.side_channel import Park, SideChannelClient, SideChannelServer
+from vllm_ascend_mooncake.side_channel import (
+    Park,
+    PeerRefused,
+    SideChannelClient,
+    SideChannelServer,
+)
 from vllm_ascend_mooncake.wire import (
     MAX_ID_CHARS,
     MAX_MESSAGE_BYTES,
@@ -193,3 +198,37 @@ def test_our_own_long_reasons_are_cut_to_fit_the_wire() -> None:
     reason = bounded_text("y" * (10 * MAX_TEXT_CHARS))
     assert len(reason) == MAX_TEXT_CHARS
     assert decode(encode(ReadDone("r", 0, "i", False, reason))).reason == reason
+
+
+def test_with_a_shared_secret_only_peers_that_know_it_are_served() -> None:
+    """Every message carries an HMAC: the server refuses (and logs) requests without a valid
+    one, before any handler sees them; a client refuses a server that cannot sign."""
+    seen = []
+
+    def handler(message):
+        seen.append(message)
+        return Ack()
+
+    secret = b"a shared secret of some length"
+    port = free_port_range(1)
+    server = SideChannelServer("127.0.0.1", port, handler, secret=secret)
+    plain_port = free_port_range(1)
+    plain_server = SideChannelServer("127.0.0.1", plain_port, handler)
+    insider = SideChannelClient(timeout_s=5, secret=secret)
+    outsider = SideChannelClient(timeout_s=5)
+    impostor = SideChannelClient(timeout_s=5, secret=b"another secret of some length")
+    try:
+        assert insider.request("127.0.0.1", port, GetMetadata()) == Ack()
+        with pytest.raises(PeerRefused, match="unauthenticated"):
+            outsider.request("127.0.0.1", port, ClaimRead("r", 0, "i"))
+        with pytest.raises(PeerRefused, match="without a valid side-channel MAC"):
+            impostor.request("127.0.0.1", port, ClaimRead("r", 0, "i"))  # nor can it check ours
+        assert len(seen) == 1  # only the insider's message reached the handler
+        with pytest.raises(PeerRefused, match="without a valid side-channel MAC"):
+            insider.request("127.0.0.1", plain_port, GetMetadata())
+        assert insider.request("127.0.0.1", port, GetMetadata()) == Ack()  # still serving
+    finally:
+        for client in (insider, outsider, impostor):
+            client.close()
+        server.close()
+        plain_server.close()

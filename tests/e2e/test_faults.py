@@ -3,7 +3,9 @@
 Every request must end within its configured timeouts; outputs either match what a colocated
 instance answers or are clean errors; no KV blocks leak on either side; the decode instance keeps
 serving everyone else. One prefill (TP 1) and two decode instances share a deployment: one decode
-recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails them.
+recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails them. Their side
+channel is authenticated with a shared secret; every scenario through the proxy runs with
+overlapped and with serial legs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import httpx
 import pytest
 from pd_checks import settled_totals
 
+from vllm_ascend_mooncake.config import SECRET_ENV
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.params import release_target
@@ -102,6 +105,8 @@ def deployment(tmp_path_factory):
         log_dir=str(tmp_path_factory.mktemp("faults")),
         # A small batch, so that requests queue on a busy decode (client hang-up test).
         decode_args=("--max-num-seqs", str(MAX_NUM_SEQS)),
+        # Faults with an authenticated side channel (the other E2E tests run without one).
+        extra_env={SECRET_ENV: "fault-suite-side-channel-secret"},
     )
     pd = LocalDeployment(spec)
     strict = pd.make_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
@@ -259,6 +264,14 @@ def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> Non
     wait_no_blocks_in_use(pd.decode.base_url, 30)
 
 
+def assert_recovered(pd: LocalDeployment, failed_before: int) -> None:
+    """After a restart: no pull failed since, both engines alive, every block free."""
+    assert settled_totals(pd)["failed"] == failed_before, "a pull after the restart failed"
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
+    wait_no_blocks_in_use(pd.decode.base_url, 30)
+
+
 def legs(pd: LocalDeployment, proxy_url: str) -> str:
     return "overlapped" if proxy_url == pd.proxy_url else "serial"
 
@@ -310,11 +323,19 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
     failed_before = pd.transfer_totals()["failed"]
     with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS + 3) as pool:
-        busy = [  # half of them run, half queue ahead of the leaving requests
+        running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
-            for _ in range(2 * MAX_NUM_SEQS)
+            for _ in range(MAX_NUM_SEQS)
         ]
-        time.sleep(1)  # decode is now full: the next requests queue there
+        time.sleep(1)
+        # Straight to decode, no hand-off: they queue ahead of the leaving requests for as long
+        # as the batch runs, with no prefill hold that could expire meanwhile (a P/D request
+        # queued past release_timeout_s finds its KV released and is recomputed).
+        queued = [
+            pool.submit(completion, pd.decode.base_url, name, OTHER, **long_body)
+            for _ in range(MAX_NUM_SEQS)
+        ]
+        time.sleep(0.5)
         leaving = [
             pool.submit(hang_up_after, proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
             for i in range(3)
@@ -322,7 +343,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
         time.sleep(1.0)
         assert gauge(pd.decode.base_url, "vllm:num_requests_waiting") > 0, "nothing queued"
         assert all(f.result() for f in leaving), "a request finished before its client left"
-        for future in busy:
+        for future in running + queued:
             assert future.result().status_code == 200
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
     started = time.monotonic()
@@ -331,8 +352,8 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     wait_no_blocks_in_use(pd.prefill.base_url, 30)
     assert_no_failed_pull_since(pd, failed_before)
     print(
-        f"[fault] clients left while queued: next request and every block freed within "
-        f"{time.monotonic() - started:.1f} s",
+        f"[fault] clients left while queued ({legs(pd, proxy_url)} legs): next request and every "
+        f"block freed within {time.monotonic() - started:.1f} s",
         flush=True,
     )
 
@@ -436,10 +457,7 @@ def test_prefill_killed_with_requests_in_flight_then_restarted_under_a_new_engin
         f"requests took {first_s} s",
         flush=True,
     )
-    assert settled_totals(pd)["failed"] == failed_before, "a pull after the restart failed"
-    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
-    wait_no_blocks_in_use(pd.prefill.base_url, 30)
-    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    assert_recovered(pd, failed_before)
 
 
 def test_prefill_killed_under_load_ends_every_request_in_bounded_time(deployment) -> None:
@@ -502,10 +520,7 @@ def test_prefill_killed_under_load_ends_every_request_in_bounded_time(deployment
         f"{restart_s:.0f} s",
         flush=True,
     )
-    assert settled_totals(pd)["failed"] == failed_before, "a pull after the restart failed"
-    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
-    wait_no_blocks_in_use(pd.prefill.base_url, 30)
-    wait_no_blocks_in_use(pd.decode.base_url, 30)
+    assert_recovered(pd, failed_before)
 
 
 def test_decode_killed_holding_leases_then_restarted(deployment, proxy_url) -> None:

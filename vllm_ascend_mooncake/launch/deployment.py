@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import CONNECTOR_NAME
 from .ports import free_port, free_port_range
-from .servers import ServerError, VllmServer, process_group_members
+from .servers import ServerError, VllmServer, process_group_members, stop_process_group
 
 _METRICS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
 
@@ -203,7 +203,7 @@ class LocalDeployment:
         deadline = time.monotonic() + 60
         while not _http_ok(f"http://127.0.0.1:{port}/health"):
             if proxy.poll() is not None or time.monotonic() > deadline:
-                _stop_process_group(proxy)
+                stop_process_group(proxy)
                 raise ServerError(f"proxy did not start; log:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.3)
         return proxy
@@ -211,7 +211,7 @@ class LocalDeployment:
     def stop(self) -> None:
         for proxy in (self._proxy, *self._extra_proxies):
             if proxy is not None:
-                _stop_process_group(proxy)
+                stop_process_group(proxy)
         errors = []
         for server in (self.decode, self.prefill):
             try:
@@ -267,20 +267,6 @@ class LocalDeployment:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _stop_process_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a process's group, SIGKILL after 10 s."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def _metrics_text(base_url: str) -> str:

@@ -72,6 +72,20 @@ def process_group_members(pgid: int) -> list[int]:
     return sorted(members)
 
 
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process's group (a proxy, a helper), SIGKILL it after 10 s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
 class VllmServer:
     """One ``vllm serve`` process tree on loopback, started in its own process group.
 
