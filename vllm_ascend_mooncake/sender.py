@@ -16,6 +16,10 @@ claim's wait); the grant carries the prompt's block ids, which is how a decode t
 early learns them. A
 prefill request that ends without a hand-off (aborted) is dropped, so its claims are refused at
 once instead of waiting for a prefill that will never come.
+
+A decode rank's lease belongs to the reader it was first granted to (the decode worker's
+incarnation): nobody else can renew it or end it with a read-done notice. However often it is
+renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from .wire import (
     Message,
     ReadDone,
     WorkerMetadata,
-    bounded_text,
 )
 
 logger = get_logger(__name__)
@@ -330,10 +333,8 @@ class PrefillSender:
         if incarnation == self.metadata.incarnation:
             return None
         return ErrorReply(
-            bounded_text(
-                f"addressed to incarnation {incarnation} but this worker is "
-                f"{self.metadata.incarnation} (it restarted; its KV is gone)"
-            )
+            f"addressed to incarnation {incarnation} but this worker is "
+            f"{self.metadata.incarnation} (it restarted; its KV is gone)"
         )
 
     def _handle(self, message: Message) -> Message | Park:
