@@ -22,6 +22,13 @@ DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 DEFAULT_RECEIVER_THREADS = 4
 DEFAULT_STAGING_BUFFER_MIB = 64
+#: In an engine step that runs no tokens, how long a worker waits for a transfer to end. vLLM
+#: steps in a loop while a request only waits for KV (decode) or holds blocks for readers
+#: (prefill); each step costs the engine core and the workers CPU (and a shared-memory
+#: busy-wait), which on hosts where instances share cores is taken from the other instance's
+#: forward. A transfer that ends wakes the wait at once; a request arriving meanwhile waits for
+#: the step to end, so this bounds that delay too.
+DEFAULT_IDLE_STEP_WAIT_MS = 10.0
 #: Where the side-channel secret is read from when kv_connector_extra_config does not set it
 #: (an environment variable keeps it out of command lines and process listings).
 SECRET_ENV = "VAM_SIDE_CHANNEL_SECRET"
@@ -65,6 +72,8 @@ class ConnectorConfig:
     receiver_threads: int
     staging_buffer_mib: int
     read_wait: str = "poll"
+    #: in an engine step that runs no tokens, how long a worker waits for a transfer to end
+    idle_step_wait_ms: float = 10.0
     dp_rank: int = 0
     #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
     side_channel_secret: bytes | None = field(default=None, repr=False)
@@ -108,6 +117,7 @@ _KEYS = {
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
     "staging_buffer_mib": "decode staging buffer for token-major slice pulls",
     "read_wait": "how reads wait: poll (sleeps; default on tcp) or sync (Mooncake's spin)",
+    "idle_step_wait_ms": "in a step that runs no tokens, how long workers wait for a transfer",
     "side_channel_secret": f"shared secret authenticating side-channel messages (default: "
     f"${SECRET_ENV}; at least {MIN_SECRET_CHARS} characters)",
 }
@@ -254,6 +264,7 @@ def parse_config(
         receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
         read_wait=_expect(extra, "read_wait", str, ""),
+        idle_step_wait_ms=_expect(extra, "idle_step_wait_ms", float, DEFAULT_IDLE_STEP_WAIT_MS),
         dp_rank=dp_rank,
         side_channel_secret=_secret(extra),
         extra=extra,
@@ -277,6 +288,7 @@ def parse_config(
         "max_descriptors_per_batch",
         "receiver_threads",
         "staging_buffer_mib",
+        "idle_step_wait_ms",
     ):
         _positive(key, getattr(config, key))
     if config.read_retries < 0:

@@ -26,6 +26,9 @@ class PullRequest:
     remote_port: int
     remote_engine_id: str | None = None
     num_prompt_tokens: int = -1
+    #: wall-clock times vLLM received the request and admitted it for loading (timeline only)
+    arrived_at: float = field(default=0.0, compare=False)
+    admitted_at: float = field(default=0.0, compare=False)
 
     @property
     def release_only(self) -> bool:
@@ -50,3 +53,6 @@ class HoldRequest:
     num_prompt_tokens: int
     #: wall-clock time vLLM finished the request (scheduler process), for the hold-delay metric
     finished_at: float = field(default=0.0, compare=False)
+    #: wall-clock times vLLM received it and its scheduler first saw it (timeline only)
+    arrived_at: float = field(default=0.0, compare=False)
+    scheduled_at: float = field(default=0.0, compare=False)

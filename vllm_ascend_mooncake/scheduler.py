@@ -37,6 +37,7 @@ from .params import (
     transfer_id_of,
 )
 from .pull import HoldRequest, PullRequest
+from .timeline import TimelineLog
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
 
 
 @dataclass
@@ -72,6 +74,11 @@ class ConnectorScheduler:
         # their params, but prefill holds one copy and frees it after the first read
         self._pulling: dict[str, str] = {}
         self._holding: set[str] = set()  # delayed frees vLLM waits for in finished_sending
+        # timeline stamps (wall clock) of requests in flight, dropped when they finish:
+        # prefill: request id -> when the scheduler first saw it;
+        # decode: request id -> (transfer id, {stamp name: time}) until its first decode step
+        self._first_seen: dict[str, float] = {}
+        self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -125,6 +132,10 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if self.config.is_producer:
+            params = request.kv_transfer_params
+            if params and params.get("do_remote_decode"):
+                self._first_seen.setdefault(request.request_id, time.time())
         remote = self._remote_prefill(request)
         if remote is None:
             return 0, False
@@ -146,11 +157,20 @@ class ConnectorScheduler:
             ) // self.config.block_size
             prompt_blocks = _cdiv(request.num_prompt_tokens, self.config.block_size)
             local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
+        admitted_at = time.time()
         if local:
             self._loading.add(request.request_id)
+            self._load_stamps[request.request_id] = (
+                remote.remote_request_id,
+                {"arrived": request.arrival_time, "admitted": admitted_at},
+            )
         # Without local blocks vLLM loads nothing (e.g. prompt_logprobs skip external KV): the
         # pull only releases prefill's hold and the workers never report it.
-        self._orders.pulls.append(self._pull_order(request, remote, local))
+        self._orders.pulls.append(
+            self._pull_order(
+                request, remote, local, arrived_at=request.arrival_time, admitted_at=admitted_at
+            )
+        )
 
     def _release_rejected(self, request: Request) -> None:
         """Params this decode will not pull with still name a prefill holding the KV: tell it
@@ -171,7 +191,14 @@ class ConnectorScheduler:
             )
         )
 
-    def _pull_order(self, request: Request, remote: RemotePrefill, local: list[int]) -> PullRequest:
+    def _pull_order(
+        self,
+        request: Request,
+        remote: RemotePrefill,
+        local: list[int],
+        arrived_at: float = 0.0,
+        admitted_at: float = 0.0,
+    ) -> PullRequest:
         blocks = remote.remote_block_ids
         return PullRequest(
             request_id=request.request_id,
@@ -182,7 +209,23 @@ class ConnectorScheduler:
             remote_port=remote.remote_port,
             remote_engine_id=remote.remote_engine_id,
             num_prompt_tokens=request.num_prompt_tokens,
+            arrived_at=arrived_at,
+            admitted_at=admitted_at,
         )
+
+    def note_scheduled(self, new_request_ids: list[str]) -> None:
+        """Decode: requests vLLM schedules for the first time this step; a loaded one ends its
+        timeline here (its first decode step)."""
+        if not self._load_stamps:
+            return
+        now = time.time()
+        for request_id in new_request_ids:
+            entry = self._load_stamps.pop(request_id, None)
+            if entry is None:
+                continue
+            transfer_id, stamps = entry
+            stamps["first_step"] = now
+            timeline_log.emit("decode_scheduler", transfer_id, stamps, request=request_id)
 
     # -- both ----------------------------------------------------------------------------------
 
@@ -196,11 +239,19 @@ class ConnectorScheduler:
         Each reported id leaves the waiting set: vLLM takes every id exactly once.
         """
         output.finished_recving = _expected(output.finished_recving, self._loading, "loaded")
+        if output.finished_recving and self._load_stamps:
+            now = time.time()
+            for request_id in output.finished_recving:
+                entry = self._load_stamps.get(request_id)
+                if entry is not None:
+                    entry[1]["load_reported"] = now
         output.finished_sending = _expected(output.finished_sending, self._holding, "sent")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._load_stamps.pop(request.request_id, None)
+        scheduled_at = self._first_seen.pop(request.request_id, 0.0)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -252,6 +303,8 @@ class ConnectorScheduler:
                 tuple(prompt_blocks),
                 request.num_prompt_tokens,
                 finished_at=time.time(),
+                arrived_at=request.arrival_time,
+                scheduled_at=scheduled_at,
             )
         )
         return True, RemotePrefill(

@@ -26,18 +26,14 @@ from .scheduler import StepOrders
 from .sender import PrefillSender, SendTracker
 from .side_channel import SideChannelClient
 from .stats import TransferStats
+from .timeline import TimelineLog
 from .wire import RegionInfo, WorkerMetadata
 
 if TYPE_CHECKING:
     import torch
 
 logger = get_logger(__name__)
-
-#: In a step that runs no tokens, how long a worker waits for a transfer to end before it returns.
-#: vLLM steps in a tight loop while a request only waits for KV (decode) or for its readers
-#: (prefill): three or more busy processes per instance that starve the transfer threads, the
-#: other instance and, on small hosts, everything else. A transfer that ends wakes the wait.
-IDLE_STEP_WAIT_S = 0.01
+timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -193,8 +189,8 @@ class ConnectorWorker:
             tracker = self.sender.tracker
             for transfer_id in orders.drops:
                 tracker.drop(transfer_id)
-            now = time.time()
             for held in orders.holds:
+                now = time.time()
                 if held.finished_at:
                     self.stats.record_hold_delay(max(0.0, now - held.finished_at))
                 tracker.hold(
@@ -202,6 +198,18 @@ class ConnectorWorker:
                     request_id=held.request_id,
                     block_ids=held.block_ids,
                     num_prompt_tokens=held.num_prompt_tokens,
+                )
+                timeline_log.emit(
+                    "prefill",
+                    held.transfer_id,
+                    {
+                        "arrived": held.arrived_at or None,
+                        "scheduled": held.scheduled_at or None,
+                        "finished": held.finished_at or None,
+                        "held": now,
+                    },
+                    rank=self.tp_rank,
+                    request=held.request_id,
                 )
         if self.receiver is not None:
             for pull in orders.pulls:
@@ -213,11 +221,12 @@ class ConnectorWorker:
         """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
         sending: set[str] = set()
         recving: set[str] = set()
-        if idle:
+        if idle:  # see config.DEFAULT_IDLE_STEP_WAIT_MS
+            wait_s = self.config.idle_step_wait_ms / 1e3
             if self.receiver is not None:
-                self.receiver.wait_for_news(IDLE_STEP_WAIT_S)
+                self.receiver.wait_for_news(wait_s)
             if self.sender is not None:
-                self.sender.tracker.wait_for_news(IDLE_STEP_WAIT_S)
+                self.sender.tracker.wait_for_news(wait_s)
         if self.sender is not None:
             sending = self.sender.tracker.take_finished()
             self.stats.record_expired(self.sender.tracker.take_expired_count())
@@ -237,6 +246,13 @@ class ConnectorWorker:
                 if pull.timeline is not None:
                     pull.timeline.reported = reported
                     phases = pull.timeline.phases()
+                    timeline_log.emit(
+                        "decode",
+                        pull.transfer_id,
+                        pull.timeline.wall_stamps(),
+                        rank=self.tp_rank,
+                        request=pull.request_id,
+                    )
                     if logger.isEnabledFor(logging.DEBUG):
                         logger.debug(
                             "pull of %s (transfer %s), ms per phase: %s",

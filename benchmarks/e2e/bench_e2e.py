@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.timeline import TIMELINE_LOG_ENV
 
-from . import timeline
+from . import request_timeline, timeline
 from .cpu_usage import cpu_seconds_between, group_cpu_seconds, idle_cores
 from .load_generator import CellResult, probe_token_ids, run_cell
 from .prompts import make_prompt, regular_token_ids
@@ -282,8 +283,11 @@ def benchmark_system(
                 for i in range(args.requests_per_cell)
             ]
             before = timeline.snapshot(system.instances())
+            window_start = time.time()
             result = _run_cell(system, model, prompts, concurrency, args)
+            window = (window_start, time.time())
             summary = summarize_cell(system.name, prompt_len, concurrency, result, args.max_tokens)
+            summary = replace(summary, window=window)
             time.sleep(STATS_INTERVAL_S + 0.5)  # connector histograms arrive once per interval
             after = timeline.snapshot(system.instances())
             summary = replace(summary, timeline_ms=timeline.mean_ms(before, after))
@@ -378,6 +382,19 @@ def _validate(reports: list[SystemReport]) -> list[str]:
     return warnings
 
 
+def _attach_request_timelines(reports: list[SystemReport]) -> None:
+    """Join each system's timeline log lines and give every cell its critical-path breakdown."""
+    for report in reports:
+        records = request_timeline.read_records(Path(path) for path in report.logs)
+        if not records:
+            continue
+        joined = request_timeline.join(records)
+        for index, cell in enumerate(report.cells):
+            breakdown = request_timeline.cell_timeline(joined, *cell.window)
+            if breakdown is not None:
+                report.cells[index] = replace(cell, request_timeline=breakdown.to_dict())
+
+
 def _environment() -> dict[str, Any]:
     import torch
     import vllm
@@ -403,6 +420,8 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # Our proxy and instances log one timeline line per request (other systems ignore it).
+    os.environ[TIMELINE_LOG_ENV] = "1"
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vam-bench-e2e-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype=args.dtype)))
@@ -433,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _collect_evidence_then_stop(system, report)
             print(f"[{name}] stopped", flush=True)
 
+    _attach_request_timelines(reports)
     summaries = [cell for report in reports for cell in report.cells]
     ratios = ratio_rows(summaries)
     target = ttft_target(summaries)
@@ -455,6 +475,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(means for *_, means in timelines):
         print("\nTimeline: mean ms per request and phase (phases overlap; see timeline.py):")
         print(timeline.timeline_table(timelines))
+    breakdowns = [
+        (s.system, s.prompt_len, s.concurrency, request_timeline.CellTimeline(**s.request_timeline))
+        for s in summaries
+        if s.request_timeline
+    ]
+    if breakdowns:
+        print("\nCritical path per request, proxy side (request_timeline.py; segments add up):")
+        print(request_timeline.breakdown_table(breakdowns))
+        png = args.json.with_suffix(".png") if args.json else log_dir / "timeline.png"
+        try:
+            print(f"stacked breakdown written to {request_timeline.write_png(breakdowns, png)}")
+        except ImportError as error:  # Pillow comes with vLLM; without it only the PNG is lost
+            print(f"no PNG ({error})", file=sys.stderr)
     for report in reports:
         print(
             f"{report.name}: idle CPU {_fmt(report.idle_cores, '.2f')} cores, "

@@ -64,6 +64,10 @@ class CellSummary:
     per_request: tuple[dict[str, Any], ...] = ()
     #: Mean ms per phase of the cell's requests, from the instances' histograms (timeline.py).
     timeline_ms: dict[str, float] = field(default_factory=dict)
+    #: Wall-clock start and end of the cell's load, which picks its requests' timeline lines.
+    window: tuple[float, float] = (0.0, 0.0)
+    #: Critical-path breakdown joined from the instances' timeline lines (request_timeline.py).
+    request_timeline: dict[str, Any] | None = None
 
     def metric(self, name: str) -> float | None:
         """``ttft_p50_ms``-style lookup used by the ratio table."""
@@ -89,6 +93,7 @@ class CellSummary:
             "mean_content_chunks": self.mean_content_chunks,
             "per_request": list(self.per_request),
             "timeline_ms": self.timeline_ms,
+            "request_timeline": self.request_timeline,
         }
 
 

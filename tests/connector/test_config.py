@@ -36,6 +36,13 @@ def test_reads_poll_over_tcp_and_keep_mooncakes_wait_elsewhere() -> None:
     assert config(extra={"protocol": "ascend", "read_wait": "poll"}).read_wait == "poll"
 
 
+def test_idle_step_wait_defaults_to_10_ms_and_must_be_positive() -> None:
+    assert config().idle_step_wait_ms == 10.0
+    assert config(extra={"idle_step_wait_ms": 50}).idle_step_wait_ms == 50.0
+    with pytest.raises(ConnectorConfigError, match="idle_step_wait_ms"):
+        config(extra={"idle_step_wait_ms": 0})
+
+
 def test_missing_sides_default_to_the_local_tp() -> None:
     cfg = config(extra={}, local_tp=2, kv_role="kv_producer")
     assert cfg.prefill.tp_size == cfg.decode.tp_size == 2

@@ -294,3 +294,55 @@ def test_requests_aborted_while_loading_cancel_their_pull_and_are_still_reported
     staying.status = RequestStatus.FINISHED_LENGTH_CAPPED  # finished after its load: no cancel
     d.request_finished(staying, [7, 8, 9])
     assert d.build_step_orders().cancels == []
+
+
+def test_timeline_stamps_a_load_from_admission_to_first_step(caplog, monkeypatch) -> None:
+    """Decode's scheduler writes one timeline line per loaded request, at its first step, and
+    keeps no stamps of requests that finished (no growth while requests come and go)."""
+    import logging
+
+    from vllm_ascend_mooncake import scheduler as scheduler_module
+    from vllm_ascend_mooncake.timeline import TimelineLog, parse_timeline_line
+
+    logger = logging.getLogger("test.scheduler.timeline")
+    logger.setLevel(logging.INFO)
+    monkeypatch.setattr(
+        scheduler_module, "timeline_log", TimelineLog(logger, environ={"VAM_TIMELINE_LOG": "1"})
+    )
+    d = scheduler("kv_consumer")
+    req = request("d-20", 70, overlapped_params("t-20"))
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 70)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.arrived_at == req.arrival_time and pull.admitted_at >= pull.arrived_at
+    d.filter_output(output(recving={"d-20"}))
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        d.note_scheduled(["other", "d-20"])
+        d.note_scheduled(["d-20"])  # once only
+    records = [parse_timeline_line(r.getMessage()) for r in caplog.records]
+    (record,) = [r for r in records if r is not None]
+    assert (record["source"], record["transfer"], record["request"]) == (
+        "decode_scheduler",
+        "t-20",
+        "d-20",
+    )
+    stamps = record["stamps"]
+    assert stamps["admitted"] <= stamps["load_reported"] <= stamps["first_step"]
+
+    aborted = request("d-21", 70, overlapped_params("t-21"))
+    d.get_num_new_matched_tokens(aborted, 0)
+    d.update_state_after_alloc(aborted, blocks([7, 8, 9]), 70)
+    d.request_finished(aborted, [7, 8, 9])
+    assert d._load_stamps == {}
+
+
+def test_prefill_hold_carries_when_the_request_was_first_scheduled() -> None:
+    p = scheduler("kv_producer")
+    req = request("p-30", 70, {"do_remote_decode": True, "transfer_id": "t-30"})
+    assert p.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    p.request_finished(req, [1, 2, 3])
+    (held,) = p.build_step_orders().holds
+    assert held.arrived_at == req.arrival_time
+    assert held.arrived_at <= held.scheduled_at <= held.finished_at
+    assert p._first_seen == {}

@@ -718,3 +718,43 @@ def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
     assert len(gone.generation_requests()) == 1
     health = proxy.get("/health").json()
     assert [report["in_flight"] for report in health["decode"]] == [0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_timeline_lines_carry_the_transfer_id_prefill_holds_the_kv_under(
+    fleet: Fleet, proxy: httpx.Client, stream: bool, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """One line per request: serial legs under prefill's answered id, overlapped ones under the
+    proxy's transfer id, with the stamps in the order the request went through them."""
+    import logging
+
+    from vllm_ascend_mooncake.proxy import app as proxy_app
+    from vllm_ascend_mooncake.timeline import TimelineLog, parse_timeline_line
+
+    logger = logging.getLogger("test.proxy.timeline")
+    monkeypatch.setattr(
+        proxy_app, "timeline_log", TimelineLog(logger, environ={"VAM_TIMELINE_LOG": "1"})
+    )
+    fleet.prefill_a.hands_off_like_the_connector = True
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        for _ in range(2):
+            response = proxy.post(
+                COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": stream}
+            )
+            assert response.status_code == 200
+    records = [parse_timeline_line(r.getMessage()) for r in caplog.records]
+    serial, overlapped = [r for r in records if r is not None]
+    first_prefill, second_prefill = fleet.prefill_a.generation_requests()
+    assert serial["mode"] == "serial"
+    assert (
+        serial["transfer"]
+        == fleet.prefill_a.connector_params(first_prefill.body)["remote_request_id"]
+    )
+    s = serial["stamps"]
+    assert s["received"] <= s["prefill_sent"] <= s["prefill_answered"] <= s["decode_sent"]
+    assert s["decode_sent"] <= s["decode_answered"] <= s["done"]
+    assert overlapped["mode"] == "overlapped"
+    assert overlapped["transfer"] == second_prefill.body["kv_transfer_params"]["transfer_id"]
+    o = overlapped["stamps"]
+    assert o["received"] <= o["decode_sent"] <= o["prefill_answered"] <= o["done"]
+    assert ("first_chunk" in o) == stream

@@ -49,6 +49,10 @@ class DeploymentSpec:
     decode_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
     proxy_args: tuple[str, ...] = ()  # e.g. ("--serial-legs",)
+    # Both instances share this host's cores: a step that runs no tokens waits longer for a
+    # transfer, so an instance whose requests only wait for KV takes less CPU from the other's
+    # forward (docs/deployment.md, "sharing cores"); the connector's default is 10 ms.
+    idle_step_wait_ms: float = 50.0
 
 
 def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) -> dict[str, Any]:
@@ -64,6 +68,7 @@ def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) ->
             "decode": {"tp_size": spec.decode_tp},
             "side_channel_port": side_channel_port,
             "release_timeout_s": spec.release_timeout_s,
+            "idle_step_wait_ms": spec.idle_step_wait_ms,
             **spec.extra_connector_config,
         },
     }

@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..params import MAX_TRANSFER_ID_CHARS
+from ..timeline import TimelineLog
 from .balancer import Balancer, Upstream
 from .payloads import (
     InvalidPrefillResponse,
@@ -41,6 +44,7 @@ from .payloads import (
 )
 
 logger = logging.getLogger(__name__)
+timeline_log = TimelineLog(logging.getLogger(f"{__name__}.timeline"))
 
 #: First requests to a vLLM CPU engine with TP=2 can take ~100 s (warm-up, compilation).
 DEFAULT_TIMEOUT_S = 600.0
@@ -60,6 +64,24 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 #: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
 _FORWARDED_HEADERS = ("Authorization",)
+
+
+@dataclass
+class _Trace:
+    """The proxy's side of a request's timeline (:mod:`..timeline`): wall-clock stamps, written
+    as one log line once the answer is over, keyed by the transfer id prefill holds the KV under."""
+
+    stamps: dict[str, float] = field(default_factory=lambda: {"received": time.time()})
+    transfer_id: str | None = None
+    mode: str = "serial"
+
+    def mark(self, name: str) -> None:
+        self.stamps.setdefault(name, time.time())
+
+    def emit(self) -> None:
+        self.mark("done")
+        if self.transfer_id is not None:
+            timeline_log.emit("proxy", self.transfer_id, self.stamps, mode=self.mode)
 
 
 class UpstreamUnreachable(Exception):
@@ -252,16 +274,25 @@ class DisaggregatingProxy:
         return upstream, await self.read_all(balancer, upstream, response)
 
     async def relay(
-        self, balancer: Balancer, upstream: Upstream, response: httpx.Response, request_id: str
+        self,
+        balancer: Balancer,
+        upstream: Upstream,
+        response: httpx.Response,
+        request_id: str,
+        trace: _Trace | None = None,
     ) -> Response:
         """Give an opened upstream response to the client: event streams chunk by chunk."""
+        trace = trace or _Trace()
         is_event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         if not (response.is_success and is_event_stream):
-            return _passthrough(await self.read_all(balancer, upstream, response), request_id)
+            answer = _passthrough(await self.read_all(balancer, upstream, response), request_id)
+            trace.emit()
+            return answer
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for chunk in response.aiter_raw():
+                    trace.mark("first_chunk")
                     yield chunk
             except httpx.HTTPError as error:
                 logger.error(
@@ -272,6 +303,7 @@ class DisaggregatingProxy:
         async def close() -> None:
             await response.aclose()
             balancer.release(upstream)
+            trace.emit()
 
         return _UpstreamStreamResponse(
             chunks(),
@@ -290,6 +322,7 @@ class DisaggregatingProxy:
         return response
 
     async def _generate(self, request: Request, path: str, request_id: str) -> Response:
+        received = time.time()
         body = await self._read_body(request)
         if body is None:
             return error_response(
@@ -308,7 +341,9 @@ class DisaggregatingProxy:
         for name in _FORWARDED_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
-        routing = asyncio.create_task(self._route(path, headers, client_body, request_id))
+        routing = asyncio.create_task(
+            self._route(path, headers, client_body, request_id, _Trace({"received": received}))
+        )
         hang_up = asyncio.create_task(_client_gone(request))
         await asyncio.wait((routing, hang_up), return_when=asyncio.FIRST_COMPLETED)
         hang_up.cancel()  # the response (a stream relays its own) now owns the connection
@@ -337,7 +372,12 @@ class DisaggregatingProxy:
         return b"".join(chunks)
 
     async def _route(
-        self, path: str, headers: dict[str, str], client_body: dict[str, Any], request_id: str
+        self,
+        path: str,
+        headers: dict[str, str],
+        client_body: dict[str, Any],
+        request_id: str,
+        trace: _Trace,
     ) -> Response:
         try:
             if self.overlap_legs:
@@ -345,11 +385,12 @@ class DisaggregatingProxy:
                 address = self.prefill_addresses.get(prefill_upstream.url)
                 if address is not None:
                     overlapped = await self._overlapped(
-                        prefill_upstream, address, path, headers, client_body, request_id
+                        prefill_upstream, address, path, headers, client_body, request_id, trace
                     )
                     if overlapped is not None:
                         return overlapped
-            return await self._serial(path, headers, client_body, request_id)
+                    trace = _Trace(dict(trace.stamps))  # the serial retry starts its own stamps
+            return await self._serial(path, headers, client_body, request_id, trace)
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
 
@@ -387,12 +428,19 @@ class DisaggregatingProxy:
         )
 
     async def _serial(
-        self, path: str, headers: dict[str, str], client_body: dict[str, Any], request_id: str
+        self,
+        path: str,
+        headers: dict[str, str],
+        client_body: dict[str, Any],
+        request_id: str,
+        trace: _Trace,
     ) -> Response:
         """Prefill first; then decode, with the block ids prefill answered."""
+        trace.mark("prefill_sent")
         prefill_upstream, prefill_response = await self.fetch(
             self.prefill, "POST", path, headers, prefill_body(client_body)
         )
+        trace.mark("prefill_answered")
         if not prefill_response.is_success:
             return self._prefill_failed(prefill_upstream, prefill_response, request_id)
         try:
@@ -406,9 +454,13 @@ class DisaggregatingProxy:
                 request_id,
                 prefill_upstream.url,
             )
+        else:
+            trace.transfer_id = kv_transfer_params.get("remote_request_id")
+        trace.mark("decode_sent")
         decode_upstream, decode_response = await self.open(
             self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
         )
+        trace.mark("decode_answered")
         logger.debug(
             "request %s: %s prefilled on %s, decoding on %s",
             request_id,
@@ -416,7 +468,7 @@ class DisaggregatingProxy:
             prefill_upstream.url,
             decode_upstream.url,
         )
-        return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+        return await self.relay(self.decode, decode_upstream, decode_response, request_id, trace)
 
     async def _overlapped(
         self,
@@ -426,12 +478,16 @@ class DisaggregatingProxy:
         headers: dict[str, str],
         client_body: dict[str, Any],
         request_id: str,
+        trace: _Trace,
     ) -> Response | None:
         """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
         # Unique, and short enough for prefill to accept whatever id the client sent.
         suffix = f"-{uuid.uuid4().hex}"
         transfer_id = request_id[: MAX_TRANSFER_ID_CHARS - len(suffix)] + suffix
         decode_params = overlapped_decode_params(address, transfer_id)
+        trace.transfer_id, trace.mode = transfer_id, "overlapped"
+        trace.mark("decode_sent")
+        trace.mark("prefill_sent")
         decode_leg = asyncio.create_task(
             self.open(self.decode, "POST", path, headers, decode_body(client_body, decode_params))
         )
@@ -445,6 +501,7 @@ class DisaggregatingProxy:
                 overlapped_prefill_body(client_body, transfer_id),
             )
             await self.read_all(self.prefill, prefill_upstream, prefill_response)
+            trace.mark("prefill_answered")
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             await self._abandon(decode_leg)
             self.prefill_addresses.pop(prefill_upstream.url, None)
@@ -476,12 +533,15 @@ class DisaggregatingProxy:
                 prefill_upstream.url,
                 transfer_id,
             )
+            trace.transfer_id = (kv_transfer_params or {}).get("remote_request_id")
+            trace.mode = "resent"
             decode_leg = asyncio.create_task(
                 self.open(
                     self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
                 )
             )
         decode_upstream, decode_response = await decode_leg
+        trace.mark("decode_answered")
         logger.debug(
             "request %s: %s prefilled on %s alongside decode on %s (transfer %s)",
             request_id,
@@ -490,7 +550,7 @@ class DisaggregatingProxy:
             decode_upstream.url,
             transfer_id,
         )
-        return await self.relay(self.decode, decode_upstream, decode_response, request_id)
+        return await self.relay(self.decode, decode_upstream, decode_response, request_id, trace)
 
     async def _abandon(self, decode_leg: asyncio.Task) -> None:
         """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""
