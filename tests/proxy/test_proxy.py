@@ -742,8 +742,15 @@ def test_timeline_lines_carry_the_transfer_id_prefill_holds_the_kv_under(
                 COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": stream}
             )
             assert response.status_code == 200
-    records = [parse_timeline_line(r.getMessage()) for r in caplog.records]
-    serial, overlapped = [r for r in records if r is not None]
+        # a stream's line is written when the proxy closes it, just after the client read it all
+        deadline = time.monotonic() + 5
+        while True:
+            records = [parse_timeline_line(r.getMessage()) for r in caplog.records]
+            records = [r for r in records if r is not None]
+            if len(records) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+    serial, overlapped = records
     first_prefill, second_prefill = fleet.prefill_a.generation_requests()
     assert serial["mode"] == "serial"
     assert (
@@ -758,3 +765,47 @@ def test_timeline_lines_carry_the_transfer_id_prefill_holds_the_kv_under(
     o = overlapped["stamps"]
     assert o["received"] <= o["decode_sent"] <= o["prefill_answered"] <= o["done"]
     assert ("first_chunk" in o) == stream
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_legs_failovers_and_in_flight_requests(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.dead_url, fleet.url(fleet.decode_a)])
+    fleet.prefill_a.hands_off_like_the_connector = True
+    for stream in (False, True, True):
+        body = {**CLIENT_BODIES[COMPLETIONS], "stream": stream}
+        assert proxy.post(COMPLETIONS, json=body).status_code == 200
+
+    deadline = time.monotonic() + 5  # a stream is counted when the proxy closes it
+    while True:
+        response = proxy.get("/metrics")
+        assert response.status_code == 200
+        samples = _samples(response.text)
+        done = samples.get(("vam_proxy_leg_seconds_count", (("leg", "total"),)), 0)
+        if done >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert response.headers["content-type"].startswith("text/plain")
+    assert samples[("vam_proxy_requests_total", (("legs", "serial"),))] == 1
+    assert samples[("vam_proxy_requests_total", (("legs", "overlapped"),))] == 2
+    for leg in ("prefill", "decode_first_chunk", "time_to_first_chunk", "total"):
+        assert samples[("vam_proxy_leg_seconds_count", (("leg", leg),))] == 3
+    # the dead decode instance is tried first at least once (round-robin ties), then skipped
+    assert samples[("vam_proxy_failovers_total", (("role", "decode"),))] >= 1
+    assert samples[("vam_proxy_serial_fallbacks_total", ())] == 0
+    in_flight = {
+        labels: value
+        for (name, labels), value in samples.items()
+        if name == "vam_proxy_in_flight_requests"
+    }
+    assert len(in_flight) == 3 and set(in_flight.values()) == {0}

@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from ..params import MAX_TRANSFER_ID_CHARS
 from ..timeline import TimelineLog
 from .balancer import Balancer, Upstream
+from .metrics import CONTENT_TYPE, ProxyMetrics
 from .payloads import (
     InvalidPrefillResponse,
     decode_body,
@@ -74,6 +75,7 @@ class _Trace:
     stamps: dict[str, float] = field(default_factory=lambda: {"received": time.time()})
     transfer_id: str | None = None
     mode: str = "serial"
+    metrics: ProxyMetrics | None = None  # fed once the answer is over
 
     def mark(self, name: str) -> None:
         self.stamps.setdefault(name, time.time())
@@ -82,6 +84,8 @@ class _Trace:
         self.mark("done")
         if self.transfer_id is not None:
             timeline_log.emit("proxy", self.transfer_id, self.stamps, mode=self.mode)
+            if self.metrics is not None:
+                self.metrics.observe(self.mode, self.stamps)
 
 
 class UpstreamUnreachable(Exception):
@@ -195,6 +199,7 @@ class DisaggregatingProxy:
         self.timeout_s = timeout_s
         self.overlap_legs = overlap_legs
         self.max_body_bytes = max_body_bytes
+        self.metrics = ProxyMetrics((prefill, decode))
         #: prefill base URL -> where its KV can be read, learned from its latest answer
         self.prefill_addresses: dict[str, dict[str, Any]] = {}
 
@@ -218,6 +223,7 @@ class DisaggregatingProxy:
                 response = await self.open_on(balancer, upstream, method, path, headers, json_body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:
                 attempts.append(f"{upstream.url} ({type(error).__name__}: {error})")
+                self.metrics.failovers.labels(balancer.role).inc()
                 logger.warning(
                     "%s instance %s refused %s %s (%s); trying the next one",
                     balancer.role,
@@ -342,7 +348,13 @@ class DisaggregatingProxy:
             if name in request.headers:
                 headers[name] = request.headers[name]
         routing = asyncio.create_task(
-            self._route(path, headers, client_body, request_id, _Trace({"received": received}))
+            self._route(
+                path,
+                headers,
+                client_body,
+                request_id,
+                _Trace({"received": received}, metrics=self.metrics),
+            )
         )
         hang_up = asyncio.create_task(_client_gone(request))
         await asyncio.wait((routing, hang_up), return_when=asyncio.FIRST_COMPLETED)
@@ -389,7 +401,8 @@ class DisaggregatingProxy:
                     )
                     if overlapped is not None:
                         return overlapped
-                    trace = _Trace(dict(trace.stamps))  # the serial retry starts its own stamps
+                    # the serial retry starts its own stamps
+                    trace = _Trace(dict(trace.stamps), metrics=self.metrics)
             return await self._serial(path, headers, client_body, request_id, trace)
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
@@ -505,6 +518,7 @@ class DisaggregatingProxy:
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             await self._abandon(decode_leg)
             self.prefill_addresses.pop(prefill_upstream.url, None)
+            self.metrics.serial_fallbacks.inc()
             logger.warning(
                 "request %s: prefill %s refused the connection (%s); going serial",
                 request_id,
@@ -535,6 +549,7 @@ class DisaggregatingProxy:
             )
             trace.transfer_id = (kv_transfer_params or {}).get("remote_request_id")
             trace.mode = "resent"
+            self.metrics.decode_resends.inc()
             decode_leg = asyncio.create_task(
                 self.open(
                     self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
@@ -653,5 +668,9 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> Response:
         return await request.app.state.proxy.health()
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.proxy.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
