@@ -7,6 +7,7 @@ cannot silently fall back to a default.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -103,7 +104,8 @@ _KEYS = {
     "decode": "dict with tp_size (and dp_size) of the decode instance",
     "protocol": "Mooncake transport: tcp, rdma or ascend (default: by device)",
     "device_name": "Mooncake device/NIC list, '' for auto",
-    "side_channel_host": "address prefill workers listen on (default: VLLM_HOST_IP)",
+    "side_channel_host": "address workers listen on and advertise (default: VLLM_HOST_IP, else "
+    "the host's address)",
     "side_channel_port": "base port of the prefill side channel",
     "release_timeout_s": "prefill releases blocks nobody read after this many seconds",
     "side_channel_timeout_s": "timeout of one side-channel exchange",
@@ -121,6 +123,33 @@ _KEYS = {
     "side_channel_secret": f"shared secret authenticating side-channel messages (default: "
     f"${SECRET_ENV}; at least {MIN_SECRET_CHARS} characters)",
 }
+
+
+def default_host() -> str:
+    """The address this instance advertises unless told: ``VLLM_HOST_IP``, else the address
+    vLLM itself picks for the host (its ``get_ip()``), else loopback; never loopback by accident
+    on a host that has a network address."""
+    host = os.environ.get("VLLM_HOST_IP", "").strip()
+    if host:
+        return host
+    try:
+        from vllm.utils.network_utils import get_ip
+    except ImportError:
+        return "127.0.0.1"
+    try:
+        return get_ip()
+    except Exception:
+        return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _expect(extra: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -244,9 +273,7 @@ def parse_config(
         block_size=block_size,
         protocol=_expect(extra, "protocol", str, default_protocol(device_type)),
         device_name=_expect(extra, "device_name", str, ""),
-        side_channel_host=_expect(
-            extra, "side_channel_host", str, os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        ),
+        side_channel_host=_expect(extra, "side_channel_host", str, default_host()),
         side_channel_port=port,
         release_timeout_s=_expect(extra, "release_timeout_s", float, DEFAULT_RELEASE_TIMEOUT_S),
         side_channel_timeout_s=_expect(

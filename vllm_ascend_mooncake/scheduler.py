@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, is_loopback
 from .log import get_logger
 from .params import (
     MAX_TRANSFER_ID_CHARS,
@@ -79,6 +79,7 @@ class ConnectorScheduler:
         # decode: request id -> (transfer id, {stamp name: time}) until its first decode step
         self._first_seen: dict[str, float] = {}
         self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
+        self._warned_loopback: set[str] = set()  # prefill engines already warned about
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -127,7 +128,27 @@ class ConnectorScheduler:
             return None
         self._remote[request.request_id] = remote
         self._pulling[remote.remote_request_id] = request.request_id
+        self._warn_if_unreachable(remote)
         return remote
+
+    def _warn_if_unreachable(self, remote: RemotePrefill) -> None:
+        """A prefill advertising loopback to a decode that has a network address is almost
+        always a multi-host deployment whose prefill kept the default: say so once per prefill."""
+        if not is_loopback(remote.remote_host) or is_loopback(self.config.side_channel_host):
+            return
+        key = remote.remote_engine_id or remote.remote_host
+        if key in self._warned_loopback or len(self._warned_loopback) >= 64:
+            return
+        self._warned_loopback.add(key)
+        logger.warning(
+            "prefill %s advertises its KV side channel on the loopback address %s while this "
+            "decode instance advertises %s: unless both run on this host, pulls will fail. Set "
+            "VLLM_HOST_IP (or kv_connector_extra_config side_channel_host) on the prefill "
+            "instance to an address this host can reach",
+            remote.remote_engine_id,
+            remote.remote_host,
+            self.config.side_channel_host,
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -82,3 +82,33 @@ def test_the_side_channel_secret_comes_from_the_config_or_the_environment(monkey
     explicit = config(extra={"side_channel_secret": "from the config file"})
     assert explicit.side_channel_secret == b"from the config file"
     assert "from the" not in repr(explicit)  # never in a log line
+
+
+def test_the_advertised_address_is_vllm_host_ip_else_the_hosts_own(monkeypatch) -> None:
+    from vllm_ascend_mooncake import config as config_module
+
+    monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
+    assert config().side_channel_host == "10.1.2.3"
+    monkeypatch.delenv("VLLM_HOST_IP")
+    # vLLM's own choice for the host (here stubbed: the real one asks the routing table)
+    monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "192.0.2.7")
+    assert config_module.default_host() == "192.0.2.7"
+    assert config(extra={"side_channel_host": "127.0.0.1"}).side_channel_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "host,loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("localhost", True),
+        ("10.0.0.1", False),
+        ("prefill-0.example", False),
+        ("fe80::1", False),
+    ],
+)
+def test_loopback_addresses(host: str, loopback: bool) -> None:
+    from vllm_ascend_mooncake.config import is_loopback
+
+    assert is_loopback(host) is loopback

@@ -346,3 +346,23 @@ def test_prefill_hold_carries_when_the_request_was_first_scheduled() -> None:
     assert held.arrived_at == req.arrival_time
     assert held.arrived_at <= held.scheduled_at <= held.finished_at
     assert p._first_seen == {}
+
+
+def test_decode_with_a_network_address_warns_once_about_a_prefill_on_loopback(caplog) -> None:
+    import logging
+    from dataclasses import replace
+
+    d = scheduler("kv_consumer")
+    d.config = replace(d.config, side_channel_host="10.0.0.5")
+    with caplog.at_level(logging.WARNING):
+        for index in range(3):
+            req = request(f"d-4{index}", 70, overlapped_params(f"t-4{index}"))
+            assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    warnings = [r.getMessage() for r in caplog.records if "loopback address" in r.getMessage()]
+    assert len(warnings) == 1 and "VLLM_HOST_IP" in warnings[0] and "10.0.0.5" in warnings[0]
+
+    caplog.clear()
+    same_host = scheduler("kv_consumer")  # advertises 127.0.0.1 itself: one host, no warning
+    with caplog.at_level(logging.WARNING):
+        same_host.get_num_new_matched_tokens(request("d-50", 70, overlapped_params("t-50")), 0)
+    assert not [r for r in caplog.records if "loopback address" in r.getMessage()]
