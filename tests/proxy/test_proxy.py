@@ -684,12 +684,13 @@ def test_serial_legs_when_overlap_is_off(fleet: Fleet, start_proxy: StartProxy) 
 
 
 def test_a_prefill_that_ignores_the_transfer_id_gets_a_serial_decode_leg(
-    fleet: Fleet, proxy: httpx.Client
+    fleet: Fleet, proxy: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fleet.prefill_a.hands_off_like_the_connector = True
     assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
     own_id = fleet.prefill_a.connector_params({})  # e.g. an older connector version
-    fleet.prefill_a.connector_params = lambda body: own_id  # type: ignore[method-assign]
+    # undone after the test: the fleet serves the whole module
+    monkeypatch.setattr(fleet.prefill_a, "connector_params", lambda body: own_id)
 
     response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
 
