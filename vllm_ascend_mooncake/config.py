@@ -3,15 +3,22 @@
 Every key is documented in ``docs/configuration.md``. Unknown keys, wrong types and sizes that do
 not match the running engine are refused at start-up with a message that names the key, so a typo
 cannot silently fall back to a default.
+
+Keys of vllm-ascend's ``MooncakeConnectorV1`` and vLLM's ``MooncakeConnector`` that mean the same
+as one of ours are read under our name with a warning naming the key to write instead; those with
+no equivalent are refused saying why (``docs/migration.md``).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .log import get_logger
 from .params import MAX_TRANSFER_ID_CHARS
 from .topology import TopologyError, TransferTopology
 
@@ -34,6 +41,14 @@ DEFAULT_IDLE_STEP_WAIT_MS = 10.0
 #: (an environment variable keeps it out of command lines and process listings).
 SECRET_ENV = "VAM_SIDE_CHANNEL_SECRET"
 MIN_SECRET_CHARS = 16
+#: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
+#: unset, so only another value is read (as ``side_channel_port``, see :func:`explicit_kv_port`).
+VLLM_DEFAULT_KV_PORT = 14579
+
+
+def _log() -> logging.Logger:
+    # Fetched when needed: the plugin and the launcher import this module before vLLM's logging.
+    return get_logger(__name__)
 
 
 class ConnectorConfigError(ValueError):
@@ -122,7 +137,12 @@ _KEYS = {
     "idle_step_wait_ms": "in a step that runs no tokens, how long workers wait for a transfer",
     "side_channel_secret": f"shared secret authenticating side-channel messages (default: "
     f"${SECRET_ENV}; at least {MIN_SECRET_CHARS} characters)",
+    "ascend_local_comm_res_path": "read by vllm-ascend's NPU worker on A5 (endpoint files), not "
+    "by this connector",
 }
+
+_VLLM_ASCEND = "vllm-ascend's MooncakeConnectorV1"
+_VLLM_MOONCAKE = "vLLM's MooncakeConnector"
 
 
 def default_host() -> str:
@@ -182,13 +202,183 @@ def _positive(key: str, value: float) -> None:
         raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be > 0, got {value}")
 
 
+# -- keys of other Mooncake connectors ----------------------------------------------------------
+
+
+def _port_number(where: str, value: Any) -> int:
+    """A port given as an int, or as a decimal string (vllm-ascend's guides write ``"36000"``)."""
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConnectorConfigError(f"{where} must be a port number, got {value!r}")
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConnectorConfigError(f"{where} must be str, got {value!r}")
+    return value
+
+
+def _ascend_direct_protocol(where: str, value: Any) -> str:
+    """vllm-ascend's ``use_ascend_direct``: ``true`` gave Mooncake the plain host address (the
+    form of its ADXL/HIXL transport, with protocol ``ascend``), which is what this connector
+    always does; ``false`` chose the HCCL form ``host:0:npu_<id>``, which it cannot do."""
+    if value is True:
+        return "ascend"
+    if value is False:
+        raise ConnectorConfigError(
+            f"{where} false chose vllm-ascend's legacy HCCL transport address "
+            f"(host:0:npu_<id>), removed from vllm-ascend in December 2025 (#4547); "
+            f"{CONNECTOR_NAME} has no equivalent: it always gives Mooncake the plain host "
+            f"address, as Mooncake's ADXL/HIXL transport (built with USE_ASCEND_DIRECT) needs. "
+            f"Remove the key (protocol 'ascend' is the default on NPUs)"
+        )
+    raise ConnectorConfigError(f"{where} must be bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _Renamed:
+    """A key of another connector that means the same as one of ours."""
+
+    ours: str
+    origin: str
+    #: the value under our key, from the old key's value; raises naming ``where`` if unusable
+    convert: Callable[[str, Any], Any]
+    note: str = ""
+
+
+#: Read under our name, with a warning naming the key to write instead (docs/migration.md).
+_RENAMED_KEYS: dict[str, _Renamed] = {
+    "mooncake_protocol": _Renamed("protocol", _VLLM_MOONCAKE, _string),
+    "use_ascend_direct": _Renamed("protocol", _VLLM_ASCEND, _ascend_direct_protocol),
+    # vllm-ascend reads kv_port from kv_transfer_config (explicit_kv_port); one copied into the
+    # extra config is read the same way. There it is the base port of prefill's side channel:
+    # DP rank d, TP rank r listens on kv_port + d*tp_size + r (with PP and PCP 1, as here).
+    "kv_port": _Renamed(
+        "side_channel_port",
+        _VLLM_ASCEND,
+        _port_number,
+        note="only prefill listens on it; decode takes the prefill's port from kv_transfer_params",
+    ),
+}
+
+#: Keys of other connectors with no equivalent here: refused, saying why (docs/migration.md).
+_REFUSED_KEYS: dict[str, str] = {
+    "num_workers": f"{_VLLM_MOONCAKE} sizes its prefill-side sender thread pool with it; here "
+    f"prefill moves no bytes (decode reads them), and the decode readers are receiver_threads",
+    "bootstrap_server_address": f"{_VLLM_MOONCAKE}'s bootstrap server; there is none here: "
+    f"decode takes the prefill's address from the kv_transfer_params the proxy forwards. Remove it",
+    "tls_config": "vllm-ascend's MooncakeLayerwiseConnector uses it for its metaserver; this "
+    "connector has no metaserver (decode pulls after prefill, no layer-wise push). Remove it",
+}
+
+#: Environment variables of those connectors that this one does not read, and what to set instead.
+_FOREIGN_ENV: dict[str, str] = {
+    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "prefill releases unread blocks after "
+    "kv_connector_extra_config['release_timeout_s']",
+    "VLLM_MOONCAKE_BOOTSTRAP_PORT": "there is no bootstrap server: prefill listens on "
+    "kv_connector_extra_config['side_channel_port']",
+}
+
+
+def explicit_kv_port(kv_transfer_config: Any) -> int | None:
+    """``KVTransferConfig.kv_port`` if the user set it, else None.
+
+    vLLM gives kv_port a default (14579) that neither of its Mooncake-style connectors reads;
+    vllm-ascend reads it as the base port of prefill's side channel, which is our
+    ``side_channel_port``. A value equal to vLLM's default cannot be told from an unset one, so
+    it is not read."""
+    port = getattr(kv_transfer_config, "kv_port", None)
+    if port is None or port == VLLM_DEFAULT_KV_PORT:
+        return None
+    return _port_number("kv_transfer_config.kv_port", port)
+
+
+def _migrate_keys(extra: dict[str, Any], kv_port: int | None) -> dict[str, Any]:
+    """``extra`` with other connectors' keys replaced by ours; refuses those that mean nothing
+    here, and an old and a new spelling of one setting that disagree."""
+    refused = sorted(set(extra) & set(_REFUSED_KEYS))
+    if refused:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config key(s) of other connectors that {CONNECTOR_NAME} does not "
+            f"accept: " + "; ".join(f"{key!r}: {_REFUSED_KEYS[key]}" for key in refused)
+        )
+    migrated = {key: value for key, value in extra.items() if key not in _RENAMED_KEYS}
+    # our key -> [(where the user wrote it, the value under our key, a note for the log)]
+    old_spellings: dict[str, list[tuple[str, Any, str]]] = {}
+    for key, value in extra.items():
+        if key in _RENAMED_KEYS:
+            renamed = _RENAMED_KEYS[key]
+            where = f"kv_connector_extra_config[{key!r}] ({renamed.origin})"
+            old_spellings.setdefault(renamed.ours, []).append(
+                (where, renamed.convert(where, value), renamed.note)
+            )
+    if kv_port is not None:
+        old_spellings.setdefault("side_channel_port", []).append(
+            (
+                f"kv_transfer_config.kv_port ({_VLLM_ASCEND})",
+                kv_port,
+                _RENAMED_KEYS["kv_port"].note,
+            )
+        )
+    for ours, old in old_spellings.items():
+        target = f"kv_connector_extra_config[{ours!r}]"
+        given = [(where, value) for where, value, _ in old]
+        if ours in migrated:
+            given.insert(0, (target, migrated[ours]))
+        if len({repr(value) for _, value in given}) > 1:
+            raise ConnectorConfigError(
+                " and ".join(f"{where} = {value!r}" for where, value in given)
+                + f" set the same thing differently: keep only {target}"
+            )
+        migrated[ours] = given[0][1]
+        for where, value, note in old:
+            _log().warning(
+                "%s is read as %s = %r; write that instead%s",
+                where,
+                target,
+                value,
+                f" ({note})" if note else "",
+            )
+    for name, instead in _FOREIGN_ENV.items():
+        if name in os.environ:
+            _log().warning("%s is set, but %s does not read it: %s", name, CONNECTOR_NAME, instead)
+    return migrated
+
+
+#: vllm-ascend's pipeline keys in ``prefill``/``decode``; only pipeline size 1 runs here.
+_PIPELINE_KEYS = ("pp_size", "pp_layer_partition")
+
+
+def _refuse_pipeline(side: str, sizes: dict[str, Any]) -> None:
+    """Accept vllm-ascend's ``pp_size: 1`` (with a note that it can go); refuse real PP."""
+    pp_size = sizes.get("pp_size", 1)
+    if "pp_layer_partition" in sizes or type(pp_size) is not int or pp_size != 1:
+        given = {key: sizes[key] for key in _PIPELINE_KEYS if key in sizes}
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config[{side!r}] asks for pipeline parallelism with {given} "
+            f"(keys of {_VLLM_ASCEND}); {CONNECTOR_NAME} supports pipeline parallel size 1 only: "
+            f"use tensor parallelism and remove these keys"
+        )
+    if "pp_size" in sizes:
+        _log().info(
+            "kv_connector_extra_config[%r]['pp_size'] = 1 (%s) is the only pipeline size %s "
+            "runs; the key can be removed",
+            side,
+            _VLLM_ASCEND,
+            CONNECTOR_NAME,
+        )
+
+
 def _sizes(extra: dict[str, Any], side: str, default_tp: int) -> InstanceSizes:
     raw = extra.get(side, {"tp_size": default_tp})
-    if not isinstance(raw, dict) or set(raw) - {"tp_size", "dp_size"}:
+    if not isinstance(raw, dict) or set(raw) - {"tp_size", "dp_size", *_PIPELINE_KEYS}:
         raise ConnectorConfigError(
             f"kv_connector_extra_config[{side!r}] must be a dict with keys tp_size and dp_size, "
             f"got {raw!r}"
         )
+    _refuse_pipeline(side, raw)
     tp, dp = raw.get("tp_size", default_tp), raw.get("dp_size", 1)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConnectorConfigError(f"{side}.tp_size must be a positive integer, got {tp!r}")
@@ -210,17 +400,23 @@ def parse_config(
     is_mla: bool,
     block_size: int,
     device_type: str,
+    kv_port: int | None = None,
 ) -> ConnectorConfig:
-    """Validate the user's settings against the running engine."""
+    """Validate the user's settings against the running engine.
+
+    ``kv_port``: vLLM's ``KVTransferConfig.kv_port`` when the user set it
+    (:func:`explicit_kv_port`), read as ``side_channel_port``."""
     from .engine import READ_WAITS, default_protocol, default_read_wait
 
-    extra = dict(extra or {})
+    extra = _migrate_keys(dict(extra or {}), kv_port)
     unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
         known = ", ".join(sorted(_KEYS))
         raise ConnectorConfigError(
-            f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known}"
+            f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known} (keys of "
+            f"other Mooncake connectors and their equivalents: docs/migration.md)"
         )
+    _expect(extra, "ascend_local_comm_res_path", str, "")  # vllm-ascend's; not read here
     roles = {"kv_producer": "producer", "kv_consumer": "consumer"}
     if kv_role not in roles:
         raise ConnectorConfigError(
@@ -349,4 +545,5 @@ def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
         is_mla=bool(model.use_mla),
         block_size=vllm_config.cache_config.block_size,
         device_type=current_platform.device_type,
+        kv_port=explicit_kv_port(transfer),
     )

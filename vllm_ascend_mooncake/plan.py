@@ -530,7 +530,7 @@ def _stage_batches(runs: list[_StagedRun], options: PlanOptions) -> list[Transfe
         if run.block_len > staging.capacity:
             raise PlanError(
                 f"staging buffer of {staging.capacity} B cannot hold one prefill block of "
-                f"{run.block_len} B; raise staging_buffer_bytes"
+                f"{run.block_len} B; raise kv_connector_extra_config['staging_buffer_mib']"
             )
         done = 0
         while done < run.num_blocks:

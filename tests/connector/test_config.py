@@ -112,3 +112,186 @@ def test_loopback_addresses(host: str, loopback: bool) -> None:
     from vllm_ascend_mooncake.config import is_loopback
 
     assert is_loopback(host) is loopback
+
+
+# -- keys of vllm-ascend's MooncakeConnectorV1 and vLLM's MooncakeConnector ----------------------
+
+
+@pytest.fixture
+def config_log(caplog):
+    """Records of the config module's logger (vLLM's loggers do not propagate to the root)."""
+    import logging
+
+    from vllm_ascend_mooncake import config as config_module
+
+    logger = config_module._log()
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def with_sizes(**keys):
+    return {"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, **keys}
+
+
+@pytest.mark.parametrize(
+    "old,ours,expected",
+    [
+        ({"mooncake_protocol": "rdma"}, "protocol", "rdma"),
+        ({"use_ascend_direct": True}, "protocol", "ascend"),
+        ({"kv_port": 36000}, "side_channel_port", 36000),
+        ({"kv_port": "36000"}, "side_channel_port", 36000),  # vllm-ascend's guides write strings
+    ],
+)
+def test_keys_of_other_connectors_are_read_under_our_name(config_log, old, ours, expected) -> None:
+    cfg = config(extra=with_sizes(**old))
+    assert getattr(cfg, ours) == expected
+    assert set(old).isdisjoint(cfg.extra)
+    (key,) = old
+    warning = next(r.getMessage() for r in config_log.records if key in r.getMessage())
+    assert "write that instead" in warning and f"kv_connector_extra_config[{ours!r}]" in warning
+
+
+def test_vllms_kv_port_field_is_read_as_the_side_channel_port(config_log) -> None:
+    cfg = config(kv_port=36000)
+    assert cfg.side_channel_port == 36000 and cfg.side_channel_base_port(dp_rank=1) == 36002
+    assert any("kv_transfer_config.kv_port" in r.getMessage() for r in config_log.records)
+    assert config(kv_port=None).side_channel_port == 36100
+
+
+def test_kv_port_is_read_only_when_it_differs_from_vllms_default() -> None:
+    from vllm.config import KVTransferConfig
+
+    from vllm_ascend_mooncake.config import VLLM_DEFAULT_KV_PORT, explicit_kv_port
+
+    def transfer(**fields):
+        return KVTransferConfig(
+            kv_connector="MooncakeHeteroConnector", kv_role="kv_producer", **fields
+        )
+
+    assert transfer().kv_port == VLLM_DEFAULT_KV_PORT  # pinned to the installed vLLM
+    assert explicit_kv_port(transfer()) is None
+    assert explicit_kv_port(transfer(kv_port=36000)) == 36000
+    assert explicit_kv_port(object()) is None
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"extra": with_sizes(mooncake_protocol="rdma", protocol="tcp")},
+            r"\['mooncake_protocol'\] \(vLLM's MooncakeConnector\) = 'rdma' set the same thing "
+            r"differently: keep only kv_connector_extra_config\['protocol'\]",
+        ),
+        (
+            {"extra": with_sizes(use_ascend_direct=True, protocol="tcp")},
+            r"\['protocol'\] = 'tcp' and .*\['use_ascend_direct'\].* = 'ascend' set the same",
+        ),
+        (
+            {"extra": with_sizes(kv_port=36000, side_channel_port=36100)},
+            r"\['side_channel_port'\] = 36100 and .*\['kv_port'\].* = 36000 set the same thing",
+        ),
+        (
+            {"extra": with_sizes(side_channel_port=36100), "kv_port": 36000},
+            r"kv_transfer_config.kv_port \(vllm-ascend's MooncakeConnectorV1\) = 36000 set",
+        ),
+        (
+            {"extra": with_sizes(kv_port=36200), "kv_port": 36000},
+            r"\['kv_port'\].* = 36200 and kv_transfer_config.kv_port .* = 36000 set the same",
+        ),
+    ],
+)
+def test_old_and_new_spellings_that_disagree_are_refused(overrides, message) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        config(**overrides)
+
+
+def test_old_and_new_spellings_that_agree_are_accepted(config_log) -> None:
+    cfg = config(
+        extra=with_sizes(mooncake_protocol="tcp", protocol="tcp", kv_port=36000), kv_port=36000
+    )
+    assert cfg.protocol == "tcp" and cfg.side_channel_port == 36000
+    cfg = config(extra=with_sizes(use_ascend_direct=True, protocol="ascend"))
+    assert cfg.protocol == "ascend"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"num_workers": 10}, r"'num_workers': .*decode readers are receiver_threads"),
+        (
+            {"bootstrap_server_address": "p:8998"},
+            r"'bootstrap_server_address': .*from the kv_transfer_params the proxy forwards",
+        ),
+        ({"tls_config": {}}, r"'tls_config': .*has no metaserver"),
+        ({"use_ascend_direct": False}, r"legacy HCCL .*no equivalent.*Remove the key"),
+        ({"use_ascend_direct": "yes"}, r"\['use_ascend_direct'\].* must be bool"),
+        ({"mooncake_protocol": 1}, r"\['mooncake_protocol'\].* must be str"),
+        ({"kv_port": "port"}, r"\['kv_port'\].* must be a port number"),
+        ({"kv_port": 65535}, "side_channel_port 65535 leaves no room"),
+    ],
+)
+def test_keys_without_an_equivalent_are_refused_naming_what_to_do(extra, message) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        config(extra=with_sizes(**extra))
+
+
+def test_vllm_ascends_pipeline_size_1_is_accepted_and_real_pp_refused(config_log) -> None:
+    cfg = config(
+        extra={
+            "prefill": {"tp_size": 2, "dp_size": 1, "pp_size": 1},
+            "decode": {"tp_size": 1, "pp_size": 1},
+        }
+    )
+    assert cfg.prefill.tp_size == 2 and cfg.decode.tp_size == 1
+    assert any("can be removed" in r.getMessage() for r in config_log.records)
+    for prefill in ({"tp_size": 2, "pp_size": 2}, {"tp_size": 2, "pp_layer_partition": "14,14"}):
+        with pytest.raises(ConnectorConfigError, match="pipeline parallel size 1 only"):
+            config(extra={"prefill": prefill, "decode": {"tp_size": 1}})
+
+
+def test_vllm_ascends_a5_endpoint_path_passes_through() -> None:
+    assert config(extra=with_sizes(ascend_local_comm_res_path="/etc/ub")).protocol == "tcp"
+    with pytest.raises(ConnectorConfigError, match="ascend_local_comm_res_path"):
+        config(extra=with_sizes(ascend_local_comm_res_path=1))
+
+
+def test_other_connectors_environment_is_named_as_unused(config_log, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "480")
+    config()
+    assert any(
+        "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT" in r.getMessage()
+        and "release_timeout_s" in r.getMessage()
+        for r in config_log.records
+    )
+
+
+def test_config_from_vllm_reads_an_explicit_kv_port() -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    from vllm_ascend_mooncake.config import config_from_vllm
+
+    def vllm_config(**transfer_fields):
+        return SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="MooncakeHeteroConnector",
+                kv_role="kv_producer",
+                engine_id="p",
+                kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}},
+                **transfer_fields,
+            ),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=1,
+                data_parallel_size=1,
+                pipeline_parallel_size=1,
+                data_parallel_rank=0,
+            ),
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, use_mla=False),
+            cache_config=SimpleNamespace(block_size=32),
+        )
+
+    assert config_from_vllm(vllm_config(kv_port=36000)).side_channel_port == 36000
+    assert config_from_vllm(vllm_config()).side_channel_port == 36100

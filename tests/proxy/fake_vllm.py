@@ -56,6 +56,10 @@ class FakeVllm:
         #: ``(status, body bytes, content type)`` to answer every generation request with.
         self.canned_answer: tuple[int, bytes, str] | None = None
         self.health_status = 200
+        #: seconds ``/health`` waits before answering (a hung instance)
+        self.health_delay_s = 0.0
+        #: ``/health`` requests received (not kept in ``received``: probes come all the time)
+        self.health_checks = 0
         self.delay_s = 0.0
         #: While clear, a stream stops after its first event, so tests can see it arrive alone.
         self.stream_gate = threading.Event()
@@ -134,6 +138,9 @@ class FakeVllm:
 
         @app.get("/health")
         async def health() -> Response:
+            self.health_checks += 1
+            if self.health_delay_s:
+                await asyncio.sleep(self.health_delay_s)
             return Response(status_code=self.health_status)
 
         return app

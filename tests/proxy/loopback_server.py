@@ -19,11 +19,14 @@ _STARTUP_TIMEOUT_S = 10.0
 
 
 @contextmanager
-def serve_on_loopback(app: Any) -> Iterator[str]:
-    """Run ``app`` until the block ends; yield its base URL (``http://127.0.0.1:PORT``)."""
+def serve_on_loopback(app: Any, port: int = 0) -> Iterator[str]:
+    """Run ``app`` until the block ends; yield its base URL (``http://127.0.0.1:PORT``).
+
+    ``port`` 0 picks a free one; pass a port served before to bring a stopped server back.
+    """
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
+    listener.bind(("127.0.0.1", port))
     port = listener.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
@@ -58,3 +61,22 @@ def refusing_port() -> Iterator[str]:
         yield f"http://127.0.0.1:{closed.getsockname()[1]}"
     finally:
         closed.close()
+
+
+@contextmanager
+def black_hole() -> Iterator[str]:
+    """Yield the URL of a port where connection attempts hang, like a host that drops packets.
+
+    The socket listens with a backlog of 0 and never accepts; once one connection fills the
+    accept queue, Linux drops further SYNs (``tcp_abort_on_overflow`` is 0 by default), so a
+    client's connect times out instead of being refused.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        filler.close()
+        listener.close()

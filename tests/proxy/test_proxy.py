@@ -24,7 +24,7 @@ from loopback_server import refusing_port, serve_on_loopback
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
 from vllm_ascend_mooncake.proxy import create_app
-from vllm_ascend_mooncake.proxy.balancer import Balancer
+from vllm_ascend_mooncake.proxy.balancer import Balancer, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import main
 from vllm_ascend_mooncake.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS
 
@@ -374,8 +374,8 @@ def test_busy_decode_is_avoided_until_its_stream_ends(
 
     assert len(fleet.decode_a.generation_requests()) == 1
     assert len(fleet.decode_b.generation_requests()) == 2
-    health = proxy.get("/health").json()
-    assert [report["in_flight"] for report in health["prefill"] + health["decode"]] == [0, 0, 0]
+    ready = proxy.get("/ready").json()
+    assert [report["in_flight"] for report in ready["prefill"] + ready["decode"]] == [0, 0, 0]
 
 
 def test_client_leaving_mid_stream_frees_the_decode(fleet: Fleet, proxy: httpx.Client) -> None:
@@ -388,7 +388,7 @@ def test_client_leaving_mid_stream_frees_the_decode(fleet: Fleet, proxy: httpx.C
 
     with httpx.Client(base_url=proxy.base_url, timeout=20, trust_env=False) as observer:
         deadline = time.monotonic() + 5
-        while observer.get("/health").json()["decode"][0]["in_flight"] != 0:
+        while observer.get("/ready").json()["decode"][0]["in_flight"] != 0:
             assert time.monotonic() < deadline, "the proxy still counts the abandoned stream"
             time.sleep(0.05)
 
@@ -445,36 +445,45 @@ def test_slow_upstream_gives_504_after_the_timeout(fleet: Fleet, start_proxy: St
     assert time.monotonic() - started < 1.5
 
 
-def test_health_reports_each_upstream(fleet: Fleet, start_proxy: StartProxy) -> None:
+def test_ready_reports_each_upstream_as_the_health_checks_found_it(
+    fleet: Fleet, start_proxy: StartProxy
+) -> None:
+    fleet.decode_b.health_status = 503
     proxy = start_proxy(
         [fleet.url(fleet.prefill_a), fleet.dead_url],
         [fleet.url(fleet.decode_a), fleet.url(fleet.decode_b)],
+        ejection=EjectionPolicy(base_backoff_s=600, max_backoff_s=600),  # still ejected when read
     )
-    fleet.decode_b.health_status = 503
 
-    response = proxy.get("/health")
+    response = proxy.get("/ready")  # waits for the first round of probes
 
     assert response.status_code == 200
     report = response.json()
-    assert report["status"] == "healthy"
-    assert [(p["url"], p["healthy"]) for p in report["prefill"]] == [
-        (fleet.url(fleet.prefill_a), True),
-        (fleet.dead_url, False),
+    assert report["status"] == "ready"
+    assert [(p["url"], p["state"], p["healthy"]) for p in report["prefill"]] == [
+        (fleet.url(fleet.prefill_a), "healthy", True),
+        (fleet.dead_url, "ejected", False),
     ]
-    assert [(d["healthy"], d["status_code"]) for d in report["decode"]] == [
-        (True, 200),
-        (False, 503),
+    assert "ConnectError" in report["prefill"][1]["last_failure"]
+    assert report["prefill"][1]["ejected_until"] is not None
+    assert [(d["healthy"], d["last_failure"]) for d in report["decode"]] == [
+        (True, None),
+        (False, "health check answered 503"),
     ]
+    for entry in report["prefill"] + report["decode"]:
+        assert entry["in_flight"] == 0
+        assert (entry["consecutive_failures"] == 0) == entry["healthy"]
 
 
-def test_health_is_503_without_a_healthy_decode(fleet: Fleet, start_proxy: StartProxy) -> None:
-    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a), fleet.dead_url])
+def test_ready_is_503_without_a_healthy_decode(fleet: Fleet, start_proxy: StartProxy) -> None:
     fleet.decode_a.health_status = 500
+    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.url(fleet.decode_a), fleet.dead_url])
 
-    response = proxy.get("/health")
+    response = proxy.get("/ready")
 
     assert response.status_code == 503
-    assert response.json()["status"] == "unhealthy"
+    assert response.json()["status"] == "unready"
+    assert proxy.get("/health").status_code == 200  # the proxy itself is alive
 
 
 def test_models_come_from_a_decode_instance(fleet: Fleet, start_proxy: StartProxy) -> None:
@@ -668,8 +677,8 @@ def test_overlapped_prefill_error_reaches_the_client_and_abandons_the_decode(
 
     assert (response.status_code, response.content) == (503, b"engine is overloaded")
     assert len(fleet.decode_a.generation_requests()) == 2  # it had been asked, then dropped
-    health = proxy.get("/health").json()
-    assert [report["in_flight"] for report in health["prefill"] + health["decode"]] == [0, 0]
+    ready = proxy.get("/ready").json()
+    assert [report["in_flight"] for report in ready["prefill"] + ready["decode"]] == [0, 0]
 
 
 def test_serial_legs_when_overlap_is_off(fleet: Fleet, start_proxy: StartProxy) -> None:
@@ -698,8 +707,8 @@ def test_a_prefill_that_ignores_the_transfer_id_gets_a_serial_decode_leg(
     _, overlapped, resent = fleet.decode_a.generation_requests()
     assert "remote_block_ids" not in overlapped.body["kv_transfer_params"]
     assert resent.body["kv_transfer_params"] == own_id
-    health = proxy.get("/health").json()
-    assert [report["in_flight"] for report in health["decode"]] == [0]
+    ready = proxy.get("/ready").json()
+    assert [report["in_flight"] for report in ready["decode"]] == [0]
 
 
 def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
@@ -708,7 +717,8 @@ def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
     gone = FakeVllm("prefill-gone")
     gone.hands_off_like_the_connector = True
     with serve_on_loopback(gone.app()) as url:
-        proxy = start_proxy([url], [fleet.url(fleet.decode_a)])
+        # no probes: the request itself must find the prefill gone while overlapping
+        proxy = start_proxy([url], [fleet.url(fleet.decode_a)], health_interval_s=0)
         assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
     fleet.decode_a.delay_s = 2.0  # would still wait for the KV
 
@@ -717,8 +727,8 @@ def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
     assert response.status_code == 502  # the serial retry found no prefill either
     assert "no prefill instance accepted a connection" in response.json()["error"]["message"]
     assert len(gone.generation_requests()) == 1
-    health = proxy.get("/health").json()
-    assert [report["in_flight"] for report in health["decode"]] == [0]
+    ready = proxy.get("/ready").json()
+    assert [report["in_flight"] for report in ready["decode"]] == [0]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -781,7 +791,12 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_metrics_count_legs_failovers_and_in_flight_requests(
     fleet: Fleet, start_proxy: StartProxy
 ) -> None:
-    proxy = start_proxy([fleet.url(fleet.prefill_a)], [fleet.dead_url, fleet.url(fleet.decode_a)])
+    # no probes, so the first request finds the dead instance (and ejects it) itself
+    proxy = start_proxy(
+        [fleet.url(fleet.prefill_a)],
+        [fleet.dead_url, fleet.url(fleet.decode_a)],
+        health_interval_s=0,
+    )
     fleet.prefill_a.hands_off_like_the_connector = True
     for stream in (False, True, True):
         body = {**CLIENT_BODIES[COMPLETIONS], "stream": stream}
@@ -801,8 +816,15 @@ def test_metrics_count_legs_failovers_and_in_flight_requests(
     assert samples[("vam_proxy_requests_total", (("legs", "overlapped"),))] == 2
     for leg in ("prefill", "decode_first_chunk", "time_to_first_chunk", "total"):
         assert samples[("vam_proxy_leg_seconds_count", (("leg", leg),))] == 3
-    # the dead decode instance is tried first at least once (round-robin ties), then skipped
+    # the dead decode instance is tried first (round-robin ties), ejected, then skipped (tried
+    # again only if the 1 s back-off ran out between requests on a slow machine)
     assert samples[("vam_proxy_failovers_total", (("role", "decode"),))] >= 1
+    dead = (("instance", fleet.dead_url), ("role", "decode"))
+    live = (("instance", fleet.url(fleet.decode_a)), ("role", "decode"))
+    assert samples[("vam_proxy_ejections_total", dead)] >= 1
+    assert samples[("vam_proxy_ejections_total", live)] == 0
+    assert samples[("vam_proxy_upstream_healthy", live)] == 1
+    assert samples[("vam_proxy_upstream_healthy", dead)] == 0
     assert samples[("vam_proxy_serial_fallbacks_total", ())] == 0
     in_flight = {
         labels: value

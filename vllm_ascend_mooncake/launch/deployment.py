@@ -1,8 +1,13 @@
-"""A complete local P/D deployment on loopback: prefill and decode `vllm serve` plus the proxy.
+"""A complete P/D deployment on this machine: prefill and decode `vllm serve` plus the proxy.
 
 Used by the demo, the end-to-end tests and the benchmarks. Both instances load the connector by
 name (the package's vLLM plugin registers it) with Mooncake over TCP; they are started at the same
 time to halve the start-up wait, and everything is stopped by process group.
+
+By default everything listens on 127.0.0.1. Each instance can instead run on a :class:`Host` of
+its own, an address plus a command prefix that runs programs there: the two-host test puts
+prefill and decode in network namespaces (:mod:`..testing.netns`), with the proxy beside decode,
+as a cross-node deployment would.
 """
 
 from __future__ import annotations
@@ -28,6 +33,22 @@ from .ports import free_port, free_port_range
 from .servers import ServerError, VllmServer, process_group_members, stop_process_group
 
 _METRICS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where an instance runs: the address it serves on and advertises (``VLLM_HOST_IP``, so
+    the connector's side channel and Mooncake too), and the prefix that runs a program there.
+
+    The prefix must exec its command (``ip netns exec NS`` does), so that the PID started is the
+    program's and stopping its process group stops the program.
+    """
+
+    address: str = "127.0.0.1"
+    command_prefix: tuple[str, ...] = ()
+
+
+LOOPBACK = Host()
 
 
 @dataclass
@@ -75,10 +96,13 @@ def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) ->
 
 
 class LocalDeployment:
-    """Prefill + decode + proxy, all on 127.0.0.1."""
+    """Prefill + decode + proxy: on 127.0.0.1, or on the given hosts (the proxy beside decode)."""
 
-    def __init__(self, spec: DeploymentSpec) -> None:
+    def __init__(
+        self, spec: DeploymentSpec, *, prefill_host: Host = LOOPBACK, decode_host: Host = LOOPBACK
+    ) -> None:
         self.spec = spec
+        self.hosts = {"kv_producer": prefill_host, "kv_consumer": decode_host}
         log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="vam-pd-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
@@ -106,9 +130,13 @@ class LocalDeployment:
         spec = replace(self.spec, **overrides) if overrides else self.spec
         producer = role == "kv_producer"
         config = connector_config(spec, role, self.side_channel_port)
+        host = self.hosts[role]
         return VllmServer(
             spec.model,
-            port=port,
+            # A port free here is free on a host of its own too (a fresh network namespace).
+            port=free_port() if port is None else port,
+            host=host.address,
+            command_prefix=host.command_prefix,
             tensor_parallel_size=spec.prefill_tp if producer else spec.decode_tp,
             dtype=spec.dtype,
             block_size=spec.block_size,
@@ -118,7 +146,7 @@ class LocalDeployment:
                 json.dumps(config),
                 *(spec.prefill_args if producer else spec.decode_args),
             ],
-            extra_env=self._env,
+            extra_env={"VLLM_HOST_IP": host.address, **self._env},
             log_path=self.log_dir / f"{name or ('prefill' if producer else 'decode')}.log",
         )
 
@@ -159,11 +187,16 @@ class LocalDeployment:
         return getattr(self, role)
 
     @property
+    def proxy_host(self) -> Host:
+        """The proxy runs beside decode, as the vLLM and Mooncake P/D examples place it."""
+        return self.hosts["kv_consumer"]
+
+    @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
+        return f"http://{self.proxy_host.address}:{self.proxy_port}"
 
     def start(self, timeout_s: float = 600.0) -> float:
-        """Start everything and wait until the proxy reports both instances healthy."""
+        """Start everything: both instances until they answer `/health`, then the proxy."""
         started = time.monotonic()
         self.prefill.start()
         self.decode.start()
@@ -178,20 +211,24 @@ class LocalDeployment:
         port = free_port()
         log = self.log_dir / f"proxy-{port}.log"
         self._extra_proxies.append(self._start_proxy(port, log, proxy_args))
-        return f"http://127.0.0.1:{port}"
+        return f"http://{self.proxy_host.address}:{port}"
 
     def _start_proxy(
         self, port: int, log_path: Path, proxy_args: tuple[str, ...]
     ) -> subprocess.Popen[bytes]:
-        """A proxy process in a session of its own; returns once it reports both instances."""
+        """A proxy process in a session of its own; returns once it answers (its `/health` is
+        its own liveness: the instances were waited for already, and a fault test may start a
+        proxy in front of one that is down)."""
+        host = self.proxy_host
         with log_path.open("wb") as log:
             proxy = subprocess.Popen(
                 [
+                    *host.command_prefix,
                     sys.executable,
                     "-m",
                     "vllm_ascend_mooncake.proxy",
                     "--host",
-                    "127.0.0.1",
+                    host.address,
                     "--port",
                     str(port),
                     "--prefill",
@@ -206,7 +243,7 @@ class LocalDeployment:
                 start_new_session=True,
             )
         deadline = time.monotonic() + 60
-        while not _http_ok(f"http://127.0.0.1:{port}/health"):
+        while not _http_ok(f"http://{host.address}:{port}/health"):
             if proxy.poll() is not None or time.monotonic() > deadline:
                 stop_process_group(proxy)
                 raise ServerError(f"proxy did not start; log:\n{log_path.read_text()[-3000:]}")
@@ -296,4 +333,11 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-__all__ = ["DeploymentSpec", "LocalDeployment", "connector_config", "process_group_members"]
+__all__ = [
+    "LOOPBACK",
+    "DeploymentSpec",
+    "Host",
+    "LocalDeployment",
+    "connector_config",
+    "process_group_members",
+]

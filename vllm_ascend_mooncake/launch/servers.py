@@ -111,11 +111,15 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
         python: str = sys.executable,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         """``extra_args`` are appended to the ``vllm serve`` command line (for example
         ``["--kv-transfer-config", json.dumps(config)]``); ``extra_env`` overrides the inherited
         environment and :func:`engine_env`. Without ``log_path`` the server's output goes to a
         new temporary file, kept after the server stops so a failure can still be read.
+        ``command_prefix`` runs the server elsewhere, e.g. ``("ip", "netns", "exec", NS)`` in a
+        network namespace; it must exec the command (keep its PID), so the process group is
+        still the server's. ``host`` must then be an address of that place, and ``port`` given.
         """
         self.model = str(model)
         self.host = host
@@ -123,6 +127,7 @@ class VllmServer:
         self.tensor_parallel_size = tensor_parallel_size
         self.ready_timeout_s = ready_timeout_s
         self.command = [
+            *command_prefix,
             python,
             "-m",
             CLI_MODULE,

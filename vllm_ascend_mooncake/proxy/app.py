@@ -11,6 +11,10 @@ Once a prefill instance has answered once, the proxy knows where its KV can be r
 request while prefill computes it and pulls as soon as prefill is done, which saves a round trip
 and decode's admission from the time to first token. If the prefill leg fails, the decode leg is
 abandoned (vLLM aborts it) and the client gets the prefill's answer, as with serial legs.
+
+Instances that do not accept connections, or fail their background health check, are ejected
+(:mod:`.balancer`, :mod:`.health`): requests go to the others until the instance is back.
+``GET /health`` is the proxy's own liveness; ``GET /ready`` says whether both roles can serve.
 """
 
 from __future__ import annotations
@@ -32,7 +36,21 @@ from starlette.types import Receive, Scope, Send
 
 from ..params import MAX_TRANSFER_ID_CHARS
 from ..timeline import TimelineLog
-from .balancer import Balancer, Upstream
+from .balancer import Balancer, EjectionPolicy, Upstream
+from .errors import (
+    CONNECTION_FAILURES,
+    UpstreamUnreachable,
+    describe_error,
+    error_response,
+    upstream_failure_response,
+)
+from .health import (
+    DEFAULT_HEALTH_INTERVAL_S,
+    DEFAULT_HEALTH_TIMEOUT_S,
+    HealthChecker,
+    UpstreamOutcomes,
+    readiness,
+)
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .payloads import (
     InvalidPrefillResponse,
@@ -49,10 +67,9 @@ timeline_log = TimelineLog(logging.getLogger(f"{__name__}.timeline"))
 
 #: First requests to a vLLM CPU engine with TP=2 can take ~100 s (warm-up, compilation).
 DEFAULT_TIMEOUT_S = 600.0
-#: A host that drops packets should be skipped long before the request timeout.
+#: A host that drops packets should be skipped long before the request timeout (and once
+#: skipped it is ejected, so this is paid once, not per request).
 CONNECT_TIMEOUT_S = 10.0
-#: ``GET /health`` must answer promptly even when an upstream hangs.
-HEALTH_TIMEOUT_S = 5.0
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -88,23 +105,6 @@ class _Trace:
                 self.metrics.observe(self.mode, self.stamps)
 
 
-class UpstreamUnreachable(Exception):
-    """No instance of a role accepted a connection."""
-
-    def __init__(self, role: str, path: str, attempts: Sequence[str]) -> None:
-        super().__init__(
-            f"no {role} instance accepted a connection for {path}; tried: {'; '.join(attempts)}"
-        )
-
-
-def error_response(status_code: int, message: str, error_type: str) -> JSONResponse:
-    """Return an error in the OpenAI/vLLM shape, so clients parse proxy errors like vLLM's."""
-    return JSONResponse(
-        {"error": {"message": message, "type": error_type, "code": status_code}},
-        status_code=status_code,
-    )
-
-
 def _relayed_headers(upstream_response: httpx.Response, request_id: str | None) -> dict[str, str]:
     """Headers to give the client: the upstream's content type and the request's id."""
     headers = {}
@@ -122,30 +122,6 @@ def _passthrough(upstream_response: httpx.Response, request_id: str | None) -> R
         status_code=upstream_response.status_code,
         headers=_relayed_headers(upstream_response, request_id),
     )
-
-
-def _failed_url(error: httpx.HTTPError) -> str:
-    """The URL an httpx error is about, for messages."""
-    try:
-        return str(error.request.url)
-    except RuntimeError:
-        return "an upstream"
-
-
-def upstream_failure_response(error: Exception, timeout_s: float) -> JSONResponse:
-    """Map a failure to reach or read an upstream to 502, or 504 when it was too slow."""
-    if isinstance(error, httpx.TimeoutException):
-        return error_response(
-            504,
-            f"{_failed_url(error)} did not answer within {timeout_s:g} s "
-            f"({type(error).__name__}); raise --timeout-s if the instance is just slow",
-            "GatewayTimeoutError",
-        )
-    if isinstance(error, httpx.HTTPError):
-        return error_response(
-            502, f"request to {_failed_url(error)} failed: {error!r}", "BadGatewayError"
-        )
-    return error_response(502, str(error), "BadGatewayError")
 
 
 class _UpstreamStreamResponse(StreamingResponse):
@@ -200,6 +176,9 @@ class DisaggregatingProxy:
         self.overlap_legs = overlap_legs
         self.max_body_bytes = max_body_bytes
         self.metrics = ProxyMetrics((prefill, decode))
+        self.outcomes = UpstreamOutcomes(self.metrics)
+        #: set by the app while background health checks run; None when they are off
+        self.health_checker: HealthChecker | None = None
         #: prefill base URL -> where its KV can be read, learned from its latest answer
         self.prefill_addresses: dict[str, dict[str, Any]] = {}
 
@@ -215,22 +194,23 @@ class DisaggregatingProxy:
 
         Only connection failures move on to the next instance: the request never reached that
         one, so trying another cannot run it twice. The returned instance is counted as busy
-        until the caller releases it.
+        until the caller releases it. Ejections are logged once by :class:`UpstreamOutcomes`;
+        each failover is logged at DEBUG only, so a dead instance cannot flood the log.
         """
         attempts = []
         for upstream in balancer.ranked():
             try:
                 response = await self.open_on(balancer, upstream, method, path, headers, json_body)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                attempts.append(f"{upstream.url} ({type(error).__name__}: {error})")
+            except CONNECTION_FAILURES as error:
+                attempts.append(f"{upstream.url} ({describe_error(error)})")
                 self.metrics.failovers.labels(balancer.role).inc()
-                logger.warning(
+                logger.debug(
                     "%s instance %s refused %s %s (%s); trying the next one",
                     balancer.role,
                     upstream.url,
                     method,
                     path,
-                    error,
+                    describe_error(error),
                 )
                 continue
             return upstream, response
@@ -245,16 +225,26 @@ class DisaggregatingProxy:
         headers: dict[str, str],
         json_body: dict[str, Any] | None = None,
     ) -> httpx.Response:
-        """Send to one instance, counted busy until released; the body is left unread."""
+        """Send to one instance, counted busy until released; the body is left unread.
+
+        A connection failure counts towards the instance's ejection; any answer, an HTTP error
+        status included (the client gets it unchanged), proves it reachable.
+        """
         balancer.acquire(upstream)
         request = self.client.build_request(
             method, f"{upstream.url}{path}", headers=headers, json=json_body
         )
         try:
-            return await self.client.send(request, stream=True)
+            response = await self.client.send(request, stream=True)
+        except CONNECTION_FAILURES as error:
+            balancer.release(upstream)
+            self.outcomes.failed(balancer, upstream, f"{method} {path}: {describe_error(error)}")
+            raise
         except BaseException:
             balancer.release(upstream)
             raise
+        self.outcomes.succeeded(balancer, upstream, f"it answered {method} {path}")
+        return response
 
     async def read_all(
         self, balancer: Balancer, upstream: Upstream, response: httpx.Response
@@ -395,7 +385,8 @@ class DisaggregatingProxy:
             if self.overlap_legs:
                 prefill_upstream = self.prefill.ranked()[0]
                 address = self.prefill_addresses.get(prefill_upstream.url)
-                if address is not None:
+                # An ejected best prefill (every one is) would likely waste the decode leg.
+                if address is not None and self.prefill.is_healthy(prefill_upstream):
                     overlapped = await self._overlapped(
                         prefill_upstream, address, path, headers, client_body, request_id, trace
                     )
@@ -515,7 +506,7 @@ class DisaggregatingProxy:
             )
             await self.read_all(self.prefill, prefill_upstream, prefill_response)
             trace.mark("prefill_answered")
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+        except CONNECTION_FAILURES as error:
             await self._abandon(decode_leg)
             self.prefill_addresses.pop(prefill_upstream.url, None)
             self.metrics.serial_fallbacks.inc()
@@ -585,34 +576,18 @@ class DisaggregatingProxy:
             return upstream_failure_response(error, self.timeout_s)
         return _passthrough(response, request_id=None)
 
-    async def _probe(self, upstream: Upstream) -> dict[str, Any]:
-        """Ask one instance's ``/health``; an instance is healthy only if it answers 200."""
-        report: dict[str, Any] = {"url": upstream.url, "in_flight": upstream.in_flight}
-        try:
-            response = await self.client.get(f"{upstream.url}/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as error:
-            report.update(healthy=False, error=f"{type(error).__name__}: {error}")
-            return report
-        report.update(healthy=response.status_code == 200, status_code=response.status_code)
-        return report
+    def health(self) -> JSONResponse:
+        """Liveness: the proxy answers. It asks no instance, so a slow or dead upstream can
+        never make an orchestrator restart a proxy that is fine."""
+        return JSONResponse({"status": "alive"})
 
-    async def health(self) -> JSONResponse:
-        """Report every instance; 503 unless at least one prefill and one decode are healthy."""
-        prefill_reports, decode_reports = await asyncio.gather(
-            asyncio.gather(*(self._probe(upstream) for upstream in self.prefill.upstreams)),
-            asyncio.gather(*(self._probe(upstream) for upstream in self.decode.upstreams)),
-        )
-        serving = any(report["healthy"] for report in prefill_reports) and any(
-            report["healthy"] for report in decode_reports
-        )
-        return JSONResponse(
-            {
-                "status": "healthy" if serving else "unhealthy",
-                "prefill": prefill_reports,
-                "decode": decode_reports,
-            },
-            status_code=200 if serving else 503,
-        )
+    async def ready(self) -> JSONResponse:
+        """Readiness, from the health checks' and requests' verdicts (no probe of its own):
+        200 while at least one prefill and one decode instance are healthy, 503 otherwise."""
+        if self.health_checker is not None:
+            await self.health_checker.wait_first_round()
+        serving, report = readiness(self.prefill, self.decode)
+        return JSONResponse(report, status_code=200 if serving else 503)
 
 
 def create_app(
@@ -622,14 +597,33 @@ def create_app(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     overlap_legs: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+    ejection: EjectionPolicy | None = None,
 ) -> FastAPI:
-    """Build the proxy app for the given prefill and decode instances (base URLs)."""
+    """Build the proxy app for the given prefill and decode instances (base URLs).
+
+    ``health_interval_s`` 0 turns the background health checks off; an ejected instance is then
+    tried again by one request once its back-off is over. With them on, the probes decide.
+    """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    prefill = Balancer("prefill", prefill_urls)
-    decode = Balancer("decode", decode_urls)
+    if connect_timeout_s <= 0:
+        raise ValueError(f"connect_timeout_s must be positive, got {connect_timeout_s}")
+    if health_interval_s < 0:
+        raise ValueError(
+            f"health_interval_s must be positive, or 0 to turn health checks off; "
+            f"got {health_interval_s}"
+        )
+    if health_timeout_s <= 0:
+        raise ValueError(f"health_timeout_s must be positive, got {health_timeout_s}")
+    policy = ejection or EjectionPolicy()
+    health_checks = health_interval_s > 0
+    prefill = Balancer("prefill", prefill_urls, policy, request_trials=not health_checks)
+    decode = Balancer("decode", decode_urls, policy, request_trials=not health_checks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -637,19 +631,31 @@ def create_app(
         # add a second, invisible queue. trust_env=False keeps HTTP(S)_PROXY settings from
         # routing upstream traffic through a forward proxy.
         async with httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, connect_timeout_s)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         ) as client:
-            app.state.proxy = DisaggregatingProxy(
+            proxy = DisaggregatingProxy(
                 client, prefill, decode, timeout_s, overlap_legs, max_body_bytes
             )
+            if health_checks:
+                proxy.health_checker = HealthChecker(
+                    client, (prefill, decode), proxy.outcomes, health_interval_s, health_timeout_s
+                )
+            app.state.proxy = proxy
             logger.info(
-                "proxying to prefill %s and decode %s",
+                "proxying to prefill %s and decode %s; health checks %s",
                 [upstream.url for upstream in prefill.upstreams],
                 [upstream.url for upstream in decode.upstreams],
+                f"every {health_interval_s:g} s" if health_checks else "off",
             )
-            yield
+            if proxy.health_checker is not None:
+                proxy.health_checker.start()
+            try:
+                yield
+            finally:
+                if proxy.health_checker is not None:
+                    await proxy.health_checker.stop()
 
     app = FastAPI(title="vllm-ascend-mooncake P/D proxy", lifespan=lifespan)
 
@@ -667,7 +673,11 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        return await request.app.state.proxy.health()
+        return request.app.state.proxy.health()
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        return await request.app.state.proxy.ready()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

