@@ -91,6 +91,12 @@ class ConnectorConfig:
     #: in an engine step that runs no tokens, how long a worker waits for a transfer to end
     idle_step_wait_ms: float = 10.0
     dp_rank: int = 0
+    #: This engine's index among the data-parallel engines its API server fronts, and how many
+    #: those are: what vLLM's ``X-data-parallel-rank`` header takes. The global DP rank with
+    #: one API server for every rank; the node-local one with ``--data-parallel-hybrid-lb`` or
+    #: ``--data-parallel-external-lb``, whose API servers front only their node's engines.
+    server_dp_rank: int = 0
+    server_dp_size: int = 1
     #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
     side_channel_secret: bytes | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -396,6 +402,7 @@ def parse_config(
     local_dp: int,
     local_pp: int = 1,
     dp_rank: int = 0,
+    server_dp: tuple[int, int] = (0, 1),
     num_kv_heads: int,
     is_mla: bool,
     block_size: int,
@@ -405,7 +412,8 @@ def parse_config(
     """Validate the user's settings against the running engine.
 
     ``kv_port``: vLLM's ``KVTransferConfig.kv_port`` when the user set it
-    (:func:`explicit_kv_port`), read as ``side_channel_port``."""
+    (:func:`explicit_kv_port`), read as ``side_channel_port``. ``server_dp``: this engine's
+    ``(index, count)`` among those its API server fronts (:func:`server_dp_position`)."""
     from .engine import READ_WAITS, default_protocol, default_read_wait
 
     extra = _migrate_keys(dict(extra or {}), kv_port)
@@ -443,10 +451,18 @@ def parse_config(
             f"this {side} instance runs tensor parallel size {local_tp}, but "
             f"kv_connector_extra_config[{side!r}].tp_size is {local.tp_size}"
         )
-    if local.dp_size != local_dp:
+    # vLLM runs the data-parallel engines of a dense model as independent DP 1 engines (only
+    # ``data_parallel_index`` keeps the rank), so DP 1 cannot contradict a declared size.
+    if local_dp != 1 and local.dp_size != local_dp:
         raise ConnectorConfigError(
             f"this {side} instance runs data parallel size {local_dp}, but "
             f"kv_connector_extra_config[{side!r}].dp_size is {local.dp_size}"
+        )
+    if role == "producer" and not 0 <= dp_rank < local.dp_size:  # its side-channel ports
+        raise ConnectorConfigError(
+            f"this {side} instance is data-parallel engine {dp_rank}, but "
+            f"kv_connector_extra_config[{side!r}].dp_size is {local.dp_size}: set it to the "
+            f"instance's --data-parallel-size"
         )
     try:
         TransferTopology(num_kv_heads, prefill.tp_size, decode.tp_size, is_mla=is_mla)
@@ -489,6 +505,8 @@ def parse_config(
         read_wait=_expect(extra, "read_wait", str, ""),
         idle_step_wait_ms=_expect(extra, "idle_step_wait_ms", float, DEFAULT_IDLE_STEP_WAIT_MS),
         dp_rank=dp_rank,
+        server_dp_rank=server_dp[0],
+        server_dp_size=server_dp[1],
         side_channel_secret=_secret(extra),
         extra=extra,
     )
@@ -533,17 +551,51 @@ def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
+    dp_rank = dp_index(parallel)
+    extra = transfer.kv_connector_extra_config
     return parse_config(
         kv_role=transfer.kv_role,
         engine_id=transfer.engine_id,
-        extra=transfer.kv_connector_extra_config,
+        extra=extra,
         local_tp=parallel.tensor_parallel_size,
         local_dp=parallel.data_parallel_size,
         local_pp=parallel.pipeline_parallel_size,
-        dp_rank=parallel.data_parallel_rank,
+        dp_rank=dp_rank,
+        server_dp=server_dp_position(parallel, _declared_dp_size(extra, transfer.kv_role)),
         num_kv_heads=model.get_total_num_kv_heads(),
         is_mla=bool(model.use_mla),
         block_size=vllm_config.cache_config.block_size,
         device_type=current_platform.device_type,
         kv_port=explicit_kv_port(transfer),
     )
+
+
+def dp_index(parallel: Any) -> int:
+    """This engine's data-parallel rank. vLLM resets ``data_parallel_rank`` to 0 in each engine
+    of a dense model (they run as independent DP 1 engines) and keeps the rank only in
+    ``data_parallel_index``."""
+    return getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+
+
+def _declared_dp_size(extra: dict[str, Any] | None, kv_role: str) -> int:
+    """The DP size the user declared for this side (validated later by :func:`parse_config`)."""
+    side = (extra or {}).get("prefill" if kv_role == "kv_producer" else "decode")
+    size = side.get("dp_size", 1) if isinstance(side, dict) else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+
+
+def server_dp_position(parallel: Any, declared_dp_size: int = 1) -> tuple[int, int]:
+    """This engine's index among the engines its API server fronts, and their number: what
+    vLLM's ``X-data-parallel-rank`` header selects.
+
+    With internal load balancing one API server fronts every DP rank, numbered globally. The
+    engines of a dense model forget the DP size (each runs as DP 1), so the declared one counts.
+    With hybrid or external load balancing (``local_engines_only``) each API server fronts only
+    its node's engines, numbered from 0; a dense model's engines forget how many share their
+    server, so they are not offered for pinning then: (0, 1).
+    """
+    if getattr(parallel, "local_engines_only", False):
+        if parallel.data_parallel_size_local > 1:
+            return parallel.data_parallel_rank_local or 0, parallel.data_parallel_size_local
+        return 0, 1
+    return dp_index(parallel), max(declared_dp_size, parallel.data_parallel_size)

@@ -9,7 +9,9 @@ Overlapped legs: a proxy that already knows a prefill instance's address may sen
 once. It gives prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode the prefill's
 address with ``remote_request_id`` T and no block ids (:data:`TRANSFER_ID_KEY`). Decode then
 admits the request at once and learns the block ids from prefill's read lease, when prefill is
-done; prefill checks the prompt length there.
+done; prefill checks the prompt length there. A prefill instance that fronts several data-parallel
+engines says which one answered (``remote_dp_rank`` of ``remote_dp_size``), so that the proxy can
+send the next request's prefill leg to the engine it names to decode.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     #: None: prefill is still computing; its read lease will carry the block ids.
     remote_block_ids: list[int] | None = None
     remote_num_tokens: int | None = None
+    #: The prefill engine among its API server's data-parallel engines, numbered as vLLM's
+    #: ``X-data-parallel-rank`` header takes it, and how many engines that server fronts: what
+    #: lets a proxy pin a request to the engine whose address it sends decode.
+    remote_dp_rank: int = 0
+    remote_dp_size: int = 1
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 

@@ -295,3 +295,84 @@ def test_config_from_vllm_reads_an_explicit_kv_port() -> None:
 
     assert config_from_vllm(vllm_config(kv_port=36000)).side_channel_port == 36000
     assert config_from_vllm(vllm_config()).side_channel_port == 36100
+
+
+@pytest.mark.parametrize(
+    ("settings", "position"),
+    [
+        ({}, (0, 1)),
+        ({"data_parallel_size": 2, "data_parallel_rank": 1}, (1, 2)),  # one API server for all
+        (  # one API server per node: it numbers its own engines from 0
+            {
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 2,
+                "data_parallel_rank": 3,
+                "data_parallel_rank_local": 1,
+                "data_parallel_hybrid_lb": True,
+            },
+            (1, 2),
+        ),
+        (  # one API server per engine: nothing to pin
+            {
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 1,
+                "data_parallel_rank": 2,
+                "data_parallel_rank_local": 0,
+                "data_parallel_external_lb": True,
+            },
+            (0, 1),
+        ),
+    ],
+)
+def test_server_dp_position_numbers_engines_as_the_api_server_does(settings, position) -> None:
+    """What prefill reports as ``remote_dp_rank`` / ``remote_dp_size``: the index vLLM's
+    ``X-data-parallel-rank`` header selects among the engines behind that API server."""
+    from vllm.config import ParallelConfig
+
+    from vllm_ascend_mooncake.config import server_dp_position
+
+    assert server_dp_position(ParallelConfig(**settings)) == position
+
+
+def test_a_dense_models_engines_keep_their_rank_and_the_declared_size() -> None:
+    """vLLM runs each DP engine of a dense model as DP 1, rank 0; only data_parallel_index
+    keeps the rank. The connector must still give engine 1 its own side-channel ports."""
+    from vllm.config import ParallelConfig
+
+    from vllm_ascend_mooncake.config import dp_index, server_dp_position
+
+    parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    parallel.reconfigure_for_independent_dp_rank()  # what vLLM's engine core does
+    assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
+    assert dp_index(parallel) == 1
+    assert server_dp_position(parallel, declared_dp_size=2) == (1, 2)
+    config = parse_config(
+        kv_role="kv_producer",
+        engine_id="p_dp1",
+        extra={"prefill": {"tp_size": 2, "dp_size": 2}, "side_channel_port": 30000},
+        local_tp=2,
+        local_dp=1,
+        dp_rank=1,
+        num_kv_heads=4,
+        is_mla=False,
+        block_size=32,
+        device_type="cpu",
+    )
+    assert config.side_channel_base_port() == 30002
+
+
+def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
+    """Two engines on one side-channel port would fail later, and less clearly."""
+    with pytest.raises(ConnectorConfigError, match=r"data-parallel engine 1.*dp_size is 1"):
+        parse_config(
+            kv_role="kv_producer",
+            engine_id="p_dp1",
+            extra={"prefill": {"tp_size": 1}},
+            local_tp=1,
+            local_dp=1,
+            dp_rank=1,
+            num_kv_heads=4,
+            is_mla=False,
+            block_size=32,
+            device_type="cpu",
+        )

@@ -76,6 +76,36 @@ def test_prefill_holds_prompt_blocks_and_returns_params() -> None:
         2,
     )
     assert params["do_remote_prefill"] and not params["do_remote_decode"]
+    assert (params["remote_dp_rank"], params["remote_dp_size"]) == (0, 1)
+
+
+def test_a_data_parallel_prefill_names_its_engine_and_port() -> None:
+    """Engine 1 of 2 behind one API server: its own side-channel ports (base + rank * TP) and
+    the index a proxy pins the next request to it with."""
+    p = ConnectorScheduler(
+        parse_config(
+            kv_role="kv_producer",
+            engine_id="engine-p_dp1",
+            extra={
+                "prefill": {"tp_size": 2, "dp_size": 2},
+                "decode": {"tp_size": 1},
+                "side_channel_port": 40000,
+            },
+            local_tp=2,
+            local_dp=2,
+            dp_rank=1,
+            server_dp=(1, 2),
+            num_kv_heads=4,
+            is_mla=False,
+            block_size=BLOCK,
+            device_type="cpu",
+        )
+    )
+    req = request("p-dp", 40, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(req, [1, 2])
+    assert params["remote_engine_id"] == "engine-p_dp1" and params["remote_port"] == 40002
+    assert (params["remote_dp_rank"], params["remote_dp_size"]) == (1, 2)
 
 
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])

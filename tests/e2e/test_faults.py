@@ -11,6 +11,8 @@ overlapped and with serial legs.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 import threading
 import time
 
@@ -60,6 +62,46 @@ def gauge(url: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith((f"{name}{{", f"{name} "))
     )
+
+
+def wait_for_gauge(
+    url: str, name: str, at_least: float, failure: str, within_s: float = 60
+) -> None:
+    """Poll an instance's gauge until it reaches ``at_least`` (tests wait on state, not time)."""
+    deadline = time.monotonic() + within_s
+    while gauge(url, name) < at_least:
+        assert time.monotonic() < deadline, f"{failure}: {name} < {at_least} after {within_s} s"
+        time.sleep(0.02)
+
+
+class LeavingClient:
+    """A streamed completion over a plain socket, so the test picks the instant its client hangs
+    up (an HTTP library's read timeout would tie that instant to how fast the machine decodes)."""
+
+    def __init__(self, url: str, name: str, prompt: str) -> None:
+        address = httpx.URL(url)
+        body = json.dumps(
+            {"model": name, "prompt": prompt, "max_tokens": 50, "temperature": 0, "stream": True}
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self._socket = socket.create_connection((address.host, address.port), timeout=30)
+        self._socket.sendall(head.encode() + body)
+
+    def hang_up(self) -> bool:
+        """Close the connection; True if a token (or the end of the answer) had arrived."""
+        received = b""
+        self._socket.setblocking(False)
+        try:
+            while chunk := self._socket.recv(65536):
+                received += chunk
+        except BlockingIOError:
+            pass
+        finally:
+            self._socket.close()
+        return b'"choices"' in received or b"[DONE]" in received
 
 
 def usage(url: str) -> float:
@@ -317,32 +359,36 @@ def test_several_sequences_per_request_pull_once_and_answer_right(deployment, pr
 
 def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment, proxy_url) -> None:
     """Requests aborted before decode ever scheduled them release prefill's blocks and are never
-    reported to vLLM (which asserts on an id it already freed)."""
+    reported to vLLM (which asserts on an id it already freed).
+
+    Each step waits for decode's own gauges instead of sleeping, and the clients hang up the
+    moment all of them are seen queued: how fast this machine decodes does not matter."""
     pd, _, name, reference = deployment
-    # Seconds of decoding each (a decode step takes ~4 ms here once vLLM's busy-wait is capped).
+    decode = pd.decode.base_url
     long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
     failed_before = pd.transfer_totals()["failed"]
-    with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS + 3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
             for _ in range(MAX_NUM_SEQS)
         ]
-        time.sleep(1)
+        wait_for_gauge(decode, "vllm:num_requests_running", MAX_NUM_SEQS, "the batch never filled")
         # Straight to decode, no hand-off: they queue ahead of the leaving requests for as long
         # as the batch runs, with no prefill hold that could expire meanwhile (a P/D request
         # queued past release_timeout_s finds its KV released and is recomputed).
         queued = [
-            pool.submit(completion, pd.decode.base_url, name, OTHER, **long_body)
-            for _ in range(MAX_NUM_SEQS)
+            pool.submit(completion, decode, name, OTHER, **long_body) for _ in range(MAX_NUM_SEQS)
         ]
-        time.sleep(0.5)
-        leaving = [
-            pool.submit(hang_up_after, proxy_url, name, f"{PROMPT} leaving {i}", 2.0)
-            for i in range(3)
-        ]
-        time.sleep(1.0)
-        assert gauge(pd.decode.base_url, "vllm:num_requests_waiting") > 0, "nothing queued"
-        assert all(f.result() for f in leaving), "a request finished before its client left"
+        wait_for_gauge(decode, "vllm:num_requests_waiting", MAX_NUM_SEQS, "nothing queued")
+        leaving = [LeavingClient(proxy_url, name, f"{PROMPT} leaving {i}") for i in range(3)]
+        wait_for_gauge(
+            decode,
+            "vllm:num_requests_waiting",
+            MAX_NUM_SEQS + 3,
+            "the leaving requests never queued",
+        )
+        answered = [client.hang_up() for client in leaving]
+        assert not any(answered), "a leaving request got tokens before its client left"
         for future in running + queued:
             assert future.result().status_code == 200
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
@@ -538,7 +584,7 @@ def test_decode_killed_holding_leases_then_restarted(deployment, proxy_url) -> N
             )
             for i in range(3)
         ]
-        time.sleep(1.0)
+        wait_for_gauge(pd.decode.base_url, "vllm:num_requests_running", 1, "nothing generating")
         pd.kill("decode")
         killed = time.monotonic()
         statuses = [future.result() for future in running]

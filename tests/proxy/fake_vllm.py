@@ -53,6 +53,12 @@ class FakeVllm:
         #: Answer like the connector's prefill: the full address, held under the request's
         #: ``transfer_id`` when it has one (so the proxy may overlap later requests' legs).
         self.hands_off_like_the_connector = False
+        #: The data-parallel engines behind this API server (when handing off like the
+        #: connector): a request pinned with ``X-data-parallel-rank`` goes to that engine, as in
+        #: vLLM, unless ``ignores_dp_pin``; any other to ``unpinned_dp_rank``.
+        self.dp_size = 1
+        self.unpinned_dp_rank = 0
+        self.ignores_dp_pin = False
         #: ``(status, body bytes, content type)`` to answer every generation request with.
         self.canned_answer: tuple[int, bytes, str] | None = None
         self.health_status = 200
@@ -81,10 +87,17 @@ class FakeVllm:
         events.append(b"data: [DONE]\n\n")
         return events
 
-    def connector_params(self, request_body: dict[str, Any]) -> dict[str, Any]:
-        """What the connector's prefill answers a request with."""
+    def serving_rank(self, headers: dict[str, str]) -> int:
+        """The engine that serves a request with these headers."""
+        pinned = headers.get("x-data-parallel-rank")
+        if pinned is None or self.ignores_dp_pin:
+            return self.unpinned_dp_rank
+        return int(pinned)
+
+    def connector_params(self, request_body: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
+        """What the connector's prefill (engine ``dp_rank`` of ``dp_size``) answers with."""
         asked = request_body.get("kv_transfer_params") or {}
-        return {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": f"engine-{self.name}",
@@ -95,8 +108,18 @@ class FakeVllm:
             "remote_block_ids": [3, 1, 4],
             "remote_num_tokens": 70,
         }
+        if self.dp_size > 1:  # each engine: its own id (vLLM appends _dp<rank>) and ports
+            params["remote_engine_id"] += f"_dp{dp_rank}"
+            params["remote_port"] += dp_rank
+            params.update(remote_dp_rank=dp_rank, remote_dp_size=self.dp_size)
+        return params
 
-    def completion(self, path: str, request_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def completion(
+        self,
+        path: str,
+        request_body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         """The JSON this instance answers a non-streamed request to ``path`` with."""
         if path == "/v1/chat/completions":
             choice = {"index": 0, "message": {"role": "assistant", "content": self.name}}
@@ -104,7 +127,9 @@ class FakeVllm:
             choice = {"index": 0, "text": self.name}
         answer: dict[str, Any] = {"id": f"{self.name}-completion", "choices": [choice]}
         if self.hands_off_like_the_connector:
-            answer["kv_transfer_params"] = self.connector_params(request_body or {})
+            answer["kv_transfer_params"] = self.connector_params(
+                request_body or {}, self.serving_rank(headers or {})
+            )
         elif self.kv_transfer_params is not OMIT:
             answer["kv_transfer_params"] = self.kv_transfer_params
         return answer
@@ -126,7 +151,7 @@ class FakeVllm:
                 return StreamingResponse(
                     self._stream(request.url.path), media_type="text/event-stream"
                 )
-            return JSONResponse(self.completion(request.url.path, body))
+            return JSONResponse(self.completion(request.url.path, body, dict(request.headers)))
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
         app.add_api_route("/v1/chat/completions", generate, methods=["POST"])

@@ -9,11 +9,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
+
+#: What the ``start_proxy`` fixture (conftest.py) gives a test: start a proxy, get a client.
+StartProxy = Callable[..., httpx.Client]
 
 _STARTUP_TIMEOUT_S = 10.0
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from fake_vllm import FakeVllm
-from loopback_server import black_hole, refusing_port, serve_on_loopback
+from loopback_server import StartProxy, black_hole, refusing_port, serve_on_loopback
 
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, CircuitState, EjectionPolicy
@@ -292,21 +292,6 @@ def decode() -> Iterator[tuple[FakeVllm, str]]:
 def fresh_fakes(prefill: tuple[FakeVllm, str], decode: tuple[FakeVllm, str]) -> None:
     prefill[0].reset()
     decode[0].reset()
-
-
-StartProxy = Callable[..., httpx.Client]
-
-
-@pytest.fixture
-def start_proxy() -> Iterator[StartProxy]:
-    """Start a proxy over the given upstream URLs; return an HTTP client pointed at it."""
-    with ExitStack() as stack:
-
-        def start(prefill: Sequence[str], decode: Sequence[str], **options: Any) -> httpx.Client:
-            url = stack.enter_context(serve_on_loopback(create_app(prefill, decode, **options)))
-            return stack.enter_context(httpx.Client(base_url=url, timeout=60, trust_env=False))
-
-        yield start
 
 
 class Restartable:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_vllm import OMIT, FakeVllm
-from loopback_server import refusing_port, serve_on_loopback
+from loopback_server import StartProxy, refusing_port, serve_on_loopback
 
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
@@ -76,21 +76,6 @@ def well_behaved_fleet(fleet: Fleet) -> Iterator[None]:
     yield
     for fake in fleet.all():  # never leave a fake stream waiting on a gate
         fake.stream_gate.set()
-
-
-StartProxy = Callable[..., httpx.Client]
-
-
-@pytest.fixture
-def start_proxy() -> Iterator[StartProxy]:
-    """Start a proxy over the given upstream URLs; return an HTTP client pointed at it."""
-    with ExitStack() as stack:
-
-        def start(prefill: Sequence[str], decode: Sequence[str], **options: Any) -> httpx.Client:
-            url = stack.enter_context(serve_on_loopback(create_app(prefill, decode, **options)))
-            return stack.enter_context(httpx.Client(base_url=url, timeout=20, trust_env=False))
-
-        yield start
 
 
 @pytest.fixture
@@ -699,7 +684,7 @@ def test_a_prefill_that_ignores_the_transfer_id_gets_a_serial_decode_leg(
     assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
     own_id = fleet.prefill_a.connector_params({})  # e.g. an older connector version
     # undone after the test: the fleet serves the whole module
-    monkeypatch.setattr(fleet.prefill_a, "connector_params", lambda body: own_id)
+    monkeypatch.setattr(fleet.prefill_a, "connector_params", lambda body, dp_rank=0: own_id)
 
     response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
 

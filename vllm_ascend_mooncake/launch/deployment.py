@@ -56,6 +56,8 @@ class DeploymentSpec:
     model: str
     prefill_tp: int = 2
     decode_tp: int = 1
+    #: data-parallel engines behind the prefill instance's one API server
+    prefill_dp: int = 1
     dtype: str = "float32"
     block_size: int = 32
     max_model_len: int = 512
@@ -85,7 +87,7 @@ def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) ->
     return {
         **config,
         "kv_connector_extra_config": {
-            "prefill": {"tp_size": spec.prefill_tp},
+            "prefill": {"tp_size": spec.prefill_tp, "dp_size": spec.prefill_dp},
             "decode": {"tp_size": spec.decode_tp},
             "side_channel_port": side_channel_port,
             "release_timeout_s": spec.release_timeout_s,
@@ -93,6 +95,14 @@ def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) ->
             **spec.extra_connector_config,
         },
     }
+
+
+def _data_parallel_args(dp_size: int) -> tuple[str, ...]:
+    """vLLM's arguments for ``dp_size`` engines behind one API server on this host: the
+    engines' RPC port is drawn free, so that deployments side by side do not collide."""
+    if dp_size == 1:
+        return ()
+    return ("--data-parallel-size", str(dp_size), "--data-parallel-rpc-port", str(free_port()))
 
 
 class LocalDeployment:
@@ -106,7 +116,7 @@ class LocalDeployment:
         log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="vam-pd-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
-        self.side_channel_port = free_port_range(spec.prefill_tp)
+        self.side_channel_port = free_port_range(spec.prefill_tp * spec.prefill_dp)
         env = {
             # TP > 1 on a couple of cores: pinning OpenMP threads to cores oversubscribes them.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -144,6 +154,7 @@ class LocalDeployment:
             extra_args=[
                 "--kv-transfer-config",
                 json.dumps(config),
+                *(_data_parallel_args(spec.prefill_dp) if producer else ()),
                 *(spec.prefill_args if producer else spec.decode_args),
             ],
             extra_env={"VLLM_HOST_IP": host.address, **self._env},

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -61,8 +61,10 @@ from .payloads import (
     prefill_address,
     prefill_body,
 )
+from .prefill_ranks import PrefillRanks, RankChoice
 
 logger = logging.getLogger(__name__)
+_Opened = TypeVar("_Opened")
 timeline_log = TimelineLog(logging.getLogger(f"{__name__}.timeline"))
 
 #: First requests to a vLLM CPU engine with TP=2 can take ~100 s (warm-up, compilation).
@@ -179,8 +181,8 @@ class DisaggregatingProxy:
         self.outcomes = UpstreamOutcomes(self.metrics)
         #: set by the app while background health checks run; None when they are off
         self.health_checker: HealthChecker | None = None
-        #: prefill base URL -> where its KV can be read, learned from its latest answer
-        self.prefill_addresses: dict[str, dict[str, Any]] = {}
+        #: where each prefill instance's engines serve their KV, learned from their answers
+        self.prefill_ranks = PrefillRanks()
 
     async def open(
         self,
@@ -192,15 +194,33 @@ class DisaggregatingProxy:
     ) -> tuple[Upstream, httpx.Response]:
         """Send to the best instance that accepts the connection; the body is left unread.
 
+        The returned instance is counted as busy until the caller releases it.
+        """
+        return await self._first_that_connects(
+            balancer,
+            method,
+            path,
+            lambda upstream: self.open_on(balancer, upstream, method, path, headers, json_body),
+        )
+
+    async def _first_that_connects(
+        self,
+        balancer: Balancer,
+        method: str,
+        path: str,
+        send: Callable[[Upstream], Awaitable[_Opened]],
+    ) -> tuple[Upstream, _Opened]:
+        """``send`` to each instance in rank order until one accepts the connection.
+
         Only connection failures move on to the next instance: the request never reached that
-        one, so trying another cannot run it twice. The returned instance is counted as busy
-        until the caller releases it. Ejections are logged once by :class:`UpstreamOutcomes`;
-        each failover is logged at DEBUG only, so a dead instance cannot flood the log.
+        one, so trying another cannot run it twice. Ejections are logged once by
+        :class:`UpstreamOutcomes`; each failover is logged at DEBUG only, so a dead instance
+        cannot flood the log.
         """
         attempts = []
         for upstream in balancer.ranked():
             try:
-                response = await self.open_on(balancer, upstream, method, path, headers, json_body)
+                opened = await send(upstream)
             except CONNECTION_FAILURES as error:
                 attempts.append(f"{upstream.url} ({describe_error(error)})")
                 self.metrics.failovers.labels(balancer.role).inc()
@@ -213,7 +233,7 @@ class DisaggregatingProxy:
                     describe_error(error),
                 )
                 continue
-            return upstream, response
+            return upstream, opened
         raise UpstreamUnreachable(balancer.role, path, attempts)
 
     async def open_on(
@@ -268,6 +288,38 @@ class DisaggregatingProxy:
         """Like :meth:`open`, but read the whole body and release the instance."""
         upstream, response = await self.open(balancer, method, path, headers, json_body)
         return upstream, await self.read_all(balancer, upstream, response)
+
+    async def prefill_leg(
+        self,
+        upstream: Upstream,
+        choice: RankChoice,
+        path: str,
+        headers: dict[str, str],
+        json_body: dict[str, Any],
+    ) -> httpx.Response:
+        """One prefill leg on ``upstream``, pinned to ``choice``'s engine, read to the end."""
+        self.prefill_ranks.started(upstream.url, choice)
+        try:
+            response = await self.open_on(
+                self.prefill, upstream, "POST", path, choice.headers(headers), json_body
+            )
+            return await self.read_all(self.prefill, upstream, response)
+        finally:
+            self.prefill_ranks.finished(upstream.url, choice)
+
+    async def fetch_prefill(
+        self, path: str, headers: dict[str, str], json_body: dict[str, Any]
+    ) -> tuple[Upstream, httpx.Response]:
+        """The serial prefill leg: the best instance that accepts the connection, each pinned
+        to the engine the proxy picks there (one whose address it has yet to learn, if any)."""
+        return await self._first_that_connects(
+            self.prefill,
+            "POST",
+            path,
+            lambda upstream: self.prefill_leg(
+                upstream, self.prefill_ranks.choose(upstream.url), path, headers, json_body
+            ),
+        )
 
     async def relay(
         self,
@@ -384,11 +436,11 @@ class DisaggregatingProxy:
         try:
             if self.overlap_legs:
                 prefill_upstream = self.prefill.ranked()[0]
-                address = self.prefill_addresses.get(prefill_upstream.url)
+                choice = self.prefill_ranks.choose(prefill_upstream.url)
                 # An ejected best prefill (every one is) would likely waste the decode leg.
-                if address is not None and self.prefill.is_healthy(prefill_upstream):
+                if choice.address is not None and self.prefill.is_healthy(prefill_upstream):
                     overlapped = await self._overlapped(
-                        prefill_upstream, address, path, headers, client_body, request_id, trace
+                        prefill_upstream, choice, path, headers, client_body, request_id, trace
                     )
                     if overlapped is not None:
                         return overlapped
@@ -403,12 +455,7 @@ class DisaggregatingProxy:
     ) -> dict[str, Any] | None:
         """A successful prefill answer's ``kv_transfer_params``; remembers where its KV lives."""
         kv_transfer_params = kv_transfer_params_from_prefill(response.content)
-        address = prefill_address(kv_transfer_params)
-        if address is None:
-            self.prefill_addresses.pop(upstream.url, None)
-        elif self.prefill_addresses.get(upstream.url) != address:
-            logger.info("prefill %s serves its KV cache from %s", upstream.url, address)
-            self.prefill_addresses[upstream.url] = address
+        self.prefill_ranks.learn(upstream.url, kv_transfer_params)
         return kv_transfer_params
 
     def _prefill_failed(
@@ -441,8 +488,8 @@ class DisaggregatingProxy:
     ) -> Response:
         """Prefill first; then decode, with the block ids prefill answered."""
         trace.mark("prefill_sent")
-        prefill_upstream, prefill_response = await self.fetch(
-            self.prefill, "POST", path, headers, prefill_body(client_body)
+        prefill_upstream, prefill_response = await self.fetch_prefill(
+            path, headers, prefill_body(client_body)
         )
         trace.mark("prefill_answered")
         if not prefill_response.is_success:
@@ -477,7 +524,7 @@ class DisaggregatingProxy:
     async def _overlapped(
         self,
         prefill_upstream: Upstream,
-        address: dict[str, Any],
+        choice: RankChoice,
         path: str,
         headers: dict[str, str],
         client_body: dict[str, Any],
@@ -488,7 +535,8 @@ class DisaggregatingProxy:
         # Unique, and short enough for prefill to accept whatever id the client sent.
         suffix = f"-{uuid.uuid4().hex}"
         transfer_id = request_id[: MAX_TRANSFER_ID_CHARS - len(suffix)] + suffix
-        decode_params = overlapped_decode_params(address, transfer_id)
+        assert choice.address is not None
+        decode_params = overlapped_decode_params(choice.address, transfer_id)
         trace.transfer_id, trace.mode = transfer_id, "overlapped"
         trace.mark("decode_sent")
         trace.mark("prefill_sent")
@@ -496,19 +544,17 @@ class DisaggregatingProxy:
             self.open(self.decode, "POST", path, headers, decode_body(client_body, decode_params))
         )
         try:
-            prefill_response = await self.open_on(
-                self.prefill,
+            prefill_response = await self.prefill_leg(
                 prefill_upstream,
-                "POST",
+                choice,
                 path,
                 headers,
                 overlapped_prefill_body(client_body, transfer_id),
             )
-            await self.read_all(self.prefill, prefill_upstream, prefill_response)
             trace.mark("prefill_answered")
         except CONNECTION_FAILURES as error:
             await self._abandon(decode_leg)
-            self.prefill_addresses.pop(prefill_upstream.url, None)
+            self.prefill_ranks.forget(prefill_upstream.url)
             self.metrics.serial_fallbacks.inc()
             logger.warning(
                 "request %s: prefill %s refused the connection (%s); going serial",
@@ -528,15 +574,21 @@ class DisaggregatingProxy:
         except InvalidPrefillResponse as error:
             await self._abandon(decode_leg)
             return self._invalid_prefill(prefill_upstream, path, error)
-        if (kv_transfer_params or {}).get("remote_request_id") != transfer_id:
-            # This prefill did not hold the KV under our id: decode would wait for it in vain.
+        held_id = (kv_transfer_params or {}).get("remote_request_id")
+        held_at = prefill_address(kv_transfer_params)
+        if held_id != transfer_id or held_at != choice.address:
+            # Decode would wait in vain: this prefill did not hold the KV under our id, or
+            # another engine than the one decode was told (an instance that ignored the
+            # data-parallel pin, or restarted under a new engine id) holds it.
             await self._abandon(decode_leg)
             logger.warning(
-                "request %s: prefill %s did not hold the KV under transfer id %s; sending the "
-                "decode leg again with what it returned",
+                "request %s: prefill %s held the KV %s; sending the decode leg again with what "
+                "it returned",
                 request_id,
                 prefill_upstream.url,
-                transfer_id,
+                f"under {held_id!r}, not transfer id {transfer_id}"
+                if held_id != transfer_id
+                else f"at {held_at}, not at {choice.address} as decode was told",
             )
             trace.transfer_id = (kv_transfer_params or {}).get("remote_request_id")
             trace.mode = "resent"

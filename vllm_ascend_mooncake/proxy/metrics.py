@@ -86,7 +86,8 @@ class ProxyMetrics:
         )
         self.decode_resends = Counter(
             "vam_proxy_decode_resends",
-            "decode legs sent again because prefill did not hold the KV under the transfer id",
+            "decode legs sent again because prefill did not hold the KV under the transfer id "
+            "or on the engine decode was told",
             registry=self.registry,
         )
         self.ejections = Counter(
