@@ -724,12 +724,12 @@ def test_timeline_lines_carry_the_transfer_id_prefill_holds_the_kv_under(
     proxy's transfer id, with the stamps in the order the request went through them."""
     import logging
 
-    from vllm_ascend_mooncake.proxy import app as proxy_app
+    from vllm_ascend_mooncake.proxy import trace as proxy_trace
     from vllm_ascend_mooncake.timeline import TimelineLog, parse_timeline_line
 
     logger = logging.getLogger("test.proxy.timeline")
     monkeypatch.setattr(
-        proxy_app, "timeline_log", TimelineLog(logger, environ={"VAM_TIMELINE_LOG": "1"})
+        proxy_trace, "timeline_log", TimelineLog(logger, environ={"VAM_TIMELINE_LOG": "1"})
     )
     fleet.prefill_a.hands_off_like_the_connector = True
     with caplog.at_level(logging.INFO, logger=logger.name):

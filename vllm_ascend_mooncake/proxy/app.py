@@ -13,7 +13,9 @@ and decode's admission from the time to first token. If the prefill leg fails, t
 abandoned (vLLM aborts it) and the client gets the prefill's answer, as with serial legs.
 
 Instances that do not accept connections, or fail their background health check, are ejected
-(:mod:`.balancer`, :mod:`.health`): requests go to the others until the instance is back.
+(:mod:`.balancer`, :mod:`.health`): requests go to the others until the instance is back. The
+connection layer (failover, relaying streams) is :mod:`.upstreams`; which data-parallel engine
+of a prefill instance gets a leg, :mod:`.prefill_ranks`.
 ``GET /health`` is the proxy's own liveness; ``GET /ready`` says whether both roles can serve.
 """
 
@@ -24,23 +26,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from ..params import MAX_TRANSFER_ID_CHARS
-from ..timeline import TimelineLog
 from .balancer import Balancer, EjectionPolicy, Upstream
 from .errors import (
     CONNECTION_FAILURES,
     UpstreamUnreachable,
-    describe_error,
     error_response,
     upstream_failure_response,
 )
@@ -62,18 +60,16 @@ from .payloads import (
     prefill_body,
 )
 from .prefill_ranks import PrefillRanks, RankChoice
+from .trace import RequestTrace
+from .upstreams import REQUEST_ID_HEADER, UpstreamClient, passthrough
 
 logger = logging.getLogger(__name__)
-_Opened = TypeVar("_Opened")
-timeline_log = TimelineLog(logging.getLogger(f"{__name__}.timeline"))
 
 #: First requests to a vLLM CPU engine with TP=2 can take ~100 s (warm-up, compilation).
 DEFAULT_TIMEOUT_S = 600.0
 #: A host that drops packets should be skipped long before the request timeout (and once
 #: skipped it is ejected, so this is paid once, not per request).
 CONNECT_TIMEOUT_S = 10.0
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 #: What the proxy logs as the status of a request whose client left first (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
@@ -84,73 +80,6 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 #: Client headers the upstreams need too (vLLM's ``--api-key`` checks ``Authorization``).
 _FORWARDED_HEADERS = ("Authorization",)
-
-
-@dataclass
-class _Trace:
-    """The proxy's side of a request's timeline (:mod:`..timeline`): wall-clock stamps, written
-    as one log line once the answer is over, keyed by the transfer id prefill holds the KV under."""
-
-    stamps: dict[str, float] = field(default_factory=lambda: {"received": time.time()})
-    transfer_id: str | None = None
-    mode: str = "serial"
-    metrics: ProxyMetrics | None = None  # fed once the answer is over
-
-    def mark(self, name: str) -> None:
-        self.stamps.setdefault(name, time.time())
-
-    def emit(self) -> None:
-        self.mark("done")
-        if self.transfer_id is not None:
-            timeline_log.emit("proxy", self.transfer_id, self.stamps, mode=self.mode)
-            if self.metrics is not None:
-                self.metrics.observe(self.mode, self.stamps)
-
-
-def _relayed_headers(upstream_response: httpx.Response, request_id: str | None) -> dict[str, str]:
-    """Headers to give the client: the upstream's content type and the request's id."""
-    headers = {}
-    if "content-type" in upstream_response.headers:
-        headers["content-type"] = upstream_response.headers["content-type"]
-    if request_id is not None:
-        headers[REQUEST_ID_HEADER] = request_id
-    return headers
-
-
-def _passthrough(upstream_response: httpx.Response, request_id: str | None) -> Response:
-    """Return a fully read upstream response to the client with its status and body unchanged."""
-    return Response(
-        content=upstream_response.content,
-        status_code=upstream_response.status_code,
-        headers=_relayed_headers(upstream_response, request_id),
-    )
-
-
-class _UpstreamStreamResponse(StreamingResponse):
-    """A relayed stream that runs ``close`` once it is over, however it ends.
-
-    A ``finally`` in the chunk generator is not enough: if the client hangs up before the
-    first chunk, the generator never starts and its ``finally`` never runs, which would leave
-    the upstream connection open and the instance counted as busy for good. Closing the
-    upstream connection also tells vLLM to abort the request.
-    """
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        close: Callable[[], Awaitable[None]],
-        *,
-        status_code: int,
-        headers: dict[str, str],
-    ) -> None:
-        super().__init__(content, status_code=status_code, headers=headers)
-        self._close = close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._close()
 
 
 async def _client_gone(request: Request) -> None:
@@ -179,115 +108,11 @@ class DisaggregatingProxy:
         self.max_body_bytes = max_body_bytes
         self.metrics = ProxyMetrics((prefill, decode))
         self.outcomes = UpstreamOutcomes(self.metrics)
+        self.upstreams = UpstreamClient(client, self.metrics, self.outcomes)
         #: set by the app while background health checks run; None when they are off
         self.health_checker: HealthChecker | None = None
         #: where each prefill instance's engines serve their KV, learned from their answers
         self.prefill_ranks = PrefillRanks()
-
-    async def open(
-        self,
-        balancer: Balancer,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        json_body: dict[str, Any] | None = None,
-    ) -> tuple[Upstream, httpx.Response]:
-        """Send to the best instance that accepts the connection; the body is left unread.
-
-        The returned instance is counted as busy until the caller releases it.
-        """
-        return await self._first_that_connects(
-            balancer,
-            method,
-            path,
-            lambda upstream: self.open_on(balancer, upstream, method, path, headers, json_body),
-        )
-
-    async def _first_that_connects(
-        self,
-        balancer: Balancer,
-        method: str,
-        path: str,
-        send: Callable[[Upstream], Awaitable[_Opened]],
-    ) -> tuple[Upstream, _Opened]:
-        """``send`` to each instance in rank order until one accepts the connection.
-
-        Only connection failures move on to the next instance: the request never reached that
-        one, so trying another cannot run it twice. Ejections are logged once by
-        :class:`UpstreamOutcomes`; each failover is logged at DEBUG only, so a dead instance
-        cannot flood the log.
-        """
-        attempts = []
-        for upstream in balancer.ranked():
-            try:
-                opened = await send(upstream)
-            except CONNECTION_FAILURES as error:
-                attempts.append(f"{upstream.url} ({describe_error(error)})")
-                self.metrics.failovers.labels(balancer.role).inc()
-                logger.debug(
-                    "%s instance %s refused %s %s (%s); trying the next one",
-                    balancer.role,
-                    upstream.url,
-                    method,
-                    path,
-                    describe_error(error),
-                )
-                continue
-            return upstream, opened
-        raise UpstreamUnreachable(balancer.role, path, attempts)
-
-    async def open_on(
-        self,
-        balancer: Balancer,
-        upstream: Upstream,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        json_body: dict[str, Any] | None = None,
-    ) -> httpx.Response:
-        """Send to one instance, counted busy until released; the body is left unread.
-
-        A connection failure counts towards the instance's ejection; any answer, an HTTP error
-        status included (the client gets it unchanged), proves it reachable.
-        """
-        balancer.acquire(upstream)
-        request = self.client.build_request(
-            method, f"{upstream.url}{path}", headers=headers, json=json_body
-        )
-        try:
-            response = await self.client.send(request, stream=True)
-        except CONNECTION_FAILURES as error:
-            balancer.release(upstream)
-            self.outcomes.failed(balancer, upstream, f"{method} {path}: {describe_error(error)}")
-            raise
-        except BaseException:
-            balancer.release(upstream)
-            raise
-        self.outcomes.succeeded(balancer, upstream, f"it answered {method} {path}")
-        return response
-
-    async def read_all(
-        self, balancer: Balancer, upstream: Upstream, response: httpx.Response
-    ) -> httpx.Response:
-        """Read an opened response to the end and release its instance."""
-        try:
-            await response.aread()
-        finally:
-            await response.aclose()
-            balancer.release(upstream)
-        return response
-
-    async def fetch(
-        self,
-        balancer: Balancer,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        json_body: dict[str, Any] | None = None,
-    ) -> tuple[Upstream, httpx.Response]:
-        """Like :meth:`open`, but read the whole body and release the instance."""
-        upstream, response = await self.open(balancer, method, path, headers, json_body)
-        return upstream, await self.read_all(balancer, upstream, response)
 
     async def prefill_leg(
         self,
@@ -300,10 +125,10 @@ class DisaggregatingProxy:
         """One prefill leg on ``upstream``, pinned to ``choice``'s engine, read to the end."""
         self.prefill_ranks.started(upstream.url, choice)
         try:
-            response = await self.open_on(
+            response = await self.upstreams.open_on(
                 self.prefill, upstream, "POST", path, choice.headers(headers), json_body
             )
-            return await self.read_all(self.prefill, upstream, response)
+            return await self.upstreams.read_all(self.prefill, upstream, response)
         finally:
             self.prefill_ranks.finished(upstream.url, choice)
 
@@ -312,52 +137,13 @@ class DisaggregatingProxy:
     ) -> tuple[Upstream, httpx.Response]:
         """The serial prefill leg: the best instance that accepts the connection, each pinned
         to the engine the proxy picks there (one whose address it has yet to learn, if any)."""
-        return await self._first_that_connects(
+        return await self.upstreams.first_that_connects(
             self.prefill,
             "POST",
             path,
             lambda upstream: self.prefill_leg(
                 upstream, self.prefill_ranks.choose(upstream.url), path, headers, json_body
             ),
-        )
-
-    async def relay(
-        self,
-        balancer: Balancer,
-        upstream: Upstream,
-        response: httpx.Response,
-        request_id: str,
-        trace: _Trace | None = None,
-    ) -> Response:
-        """Give an opened upstream response to the client: event streams chunk by chunk."""
-        trace = trace or _Trace()
-        is_event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
-        if not (response.is_success and is_event_stream):
-            answer = _passthrough(await self.read_all(balancer, upstream, response), request_id)
-            trace.emit()
-            return answer
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in response.aiter_raw():
-                    trace.mark("first_chunk")
-                    yield chunk
-            except httpx.HTTPError as error:
-                logger.error(
-                    "request %s: stream from %s broke off: %r", request_id, upstream.url, error
-                )
-                raise
-
-        async def close() -> None:
-            await response.aclose()
-            balancer.release(upstream)
-            trace.emit()
-
-        return _UpstreamStreamResponse(
-            chunks(),
-            close,
-            status_code=response.status_code,
-            headers=_relayed_headers(response, request_id),
         )
 
     async def generate(self, request: Request, path: str) -> Response:
@@ -395,7 +181,7 @@ class DisaggregatingProxy:
                 headers,
                 client_body,
                 request_id,
-                _Trace({"received": received}, metrics=self.metrics),
+                RequestTrace({"received": received}, metrics=self.metrics),
             )
         )
         hang_up = asyncio.create_task(_client_gone(request))
@@ -431,7 +217,7 @@ class DisaggregatingProxy:
         headers: dict[str, str],
         client_body: dict[str, Any],
         request_id: str,
-        trace: _Trace,
+        trace: RequestTrace,
     ) -> Response:
         try:
             if self.overlap_legs:
@@ -445,7 +231,7 @@ class DisaggregatingProxy:
                     if overlapped is not None:
                         return overlapped
                     # the serial retry starts its own stamps
-                    trace = _Trace(dict(trace.stamps), metrics=self.metrics)
+                    trace = RequestTrace(dict(trace.stamps), metrics=self.metrics)
             return await self._serial(path, headers, client_body, request_id, trace)
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
@@ -468,7 +254,7 @@ class DisaggregatingProxy:
             upstream.url,
             response.status_code,
         )
-        return _passthrough(response, request_id)
+        return passthrough(response, request_id)
 
     def _invalid_prefill(self, upstream: Upstream, path: str, error: Exception) -> JSONResponse:
         return error_response(
@@ -484,7 +270,7 @@ class DisaggregatingProxy:
         headers: dict[str, str],
         client_body: dict[str, Any],
         request_id: str,
-        trace: _Trace,
+        trace: RequestTrace,
     ) -> Response:
         """Prefill first; then decode, with the block ids prefill answered."""
         trace.mark("prefill_sent")
@@ -508,7 +294,7 @@ class DisaggregatingProxy:
         else:
             trace.transfer_id = kv_transfer_params.get("remote_request_id")
         trace.mark("decode_sent")
-        decode_upstream, decode_response = await self.open(
+        decode_upstream, decode_response = await self.upstreams.open(
             self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
         )
         trace.mark("decode_answered")
@@ -519,7 +305,9 @@ class DisaggregatingProxy:
             prefill_upstream.url,
             decode_upstream.url,
         )
-        return await self.relay(self.decode, decode_upstream, decode_response, request_id, trace)
+        return await self.upstreams.relay(
+            self.decode, decode_upstream, decode_response, request_id, trace
+        )
 
     async def _overlapped(
         self,
@@ -529,7 +317,7 @@ class DisaggregatingProxy:
         headers: dict[str, str],
         client_body: dict[str, Any],
         request_id: str,
-        trace: _Trace,
+        trace: RequestTrace,
     ) -> Response | None:
         """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
         # Unique, and short enough for prefill to accept whatever id the client sent.
@@ -541,7 +329,9 @@ class DisaggregatingProxy:
         trace.mark("decode_sent")
         trace.mark("prefill_sent")
         decode_leg = asyncio.create_task(
-            self.open(self.decode, "POST", path, headers, decode_body(client_body, decode_params))
+            self.upstreams.open(
+                self.decode, "POST", path, headers, decode_body(client_body, decode_params)
+            )
         )
         try:
             prefill_response = await self.prefill_leg(
@@ -594,7 +384,7 @@ class DisaggregatingProxy:
             trace.mode = "resent"
             self.metrics.decode_resends.inc()
             decode_leg = asyncio.create_task(
-                self.open(
+                self.upstreams.open(
                     self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
                 )
             )
@@ -608,7 +398,9 @@ class DisaggregatingProxy:
             decode_upstream.url,
             transfer_id,
         )
-        return await self.relay(self.decode, decode_upstream, decode_response, request_id, trace)
+        return await self.upstreams.relay(
+            self.decode, decode_upstream, decode_response, request_id, trace
+        )
 
     async def _abandon(self, decode_leg: asyncio.Task) -> None:
         """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""
@@ -623,10 +415,10 @@ class DisaggregatingProxy:
     async def models(self) -> Response:
         """Return a decode instance's ``/v1/models`` (every instance serves the same model)."""
         try:
-            _, response = await self.fetch(self.decode, "GET", "/v1/models", headers={})
+            _, response = await self.upstreams.fetch(self.decode, "GET", "/v1/models", headers={})
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
-        return _passthrough(response, request_id=None)
+        return passthrough(response, request_id=None)
 
     def health(self) -> JSONResponse:
         """Liveness: the proxy answers. It asks no instance, so a slow or dead upstream can
