@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.timeline import TIMELINE_LOG_ENV
 
 from . import request_timeline, timeline

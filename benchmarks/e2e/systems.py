@@ -8,7 +8,7 @@
   :mod:`benchmarks.e2e.mooncake_proxy`, with the CPU workaround of :mod:`cpu_accelerator_shim`.
 
 All instances get the same model, dtype, block size, context length, environment
-(:func:`~vllm_ascend_mooncake.testing.engine_env.engine_env`, hence ``TORCH_COMPILE_DISABLE=1``
+(:func:`~vllm_ascend_mooncake.launch.engine_env.engine_env`, hence ``TORCH_COMPILE_DISABLE=1``
 and ``VLLM_CPU_OMP_THREADS_BIND=nobind``, plus a 1 s stats interval) and VllmServer's defaults
 (eager mode, ``max_num_seqs`` 8), so the only differences are the connector and its proxy. Every
 server runs in its own process group and :meth:`BenchSystem.stop` stops all of them, whatever

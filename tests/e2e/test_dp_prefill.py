@@ -23,7 +23,7 @@ import pytest
 from pd_checks import assert_clean_transfers, assert_same, complete
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
 

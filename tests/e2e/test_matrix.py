@@ -28,7 +28,7 @@ from pd_checks import (
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.matrix]
 

@@ -32,8 +32,8 @@ from pd_checks import (
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
 

@@ -25,8 +25,8 @@ from pd_checks import assert_clean_transfers, assert_same, complete, metric
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [
     pytest.mark.engine,

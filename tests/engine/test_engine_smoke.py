@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from greedy_generate import RESULT_PREFIX
 
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,7 @@ from vllm_ascend_mooncake.launch.servers import (
     VllmServer,
     process_group_members,
 )
-from vllm_ascend_mooncake.testing.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def _has_distribution(name: str) -> bool:

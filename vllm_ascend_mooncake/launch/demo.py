@@ -18,8 +18,8 @@ import sys
 import time
 import urllib.request
 
-from ..testing.tiny_model import TinyModelSpec, build_tiny_model
 from .deployment import DeploymentSpec, LocalDeployment
+from .tiny_model import TinyModelSpec, build_tiny_model
 
 DEFAULT_PROMPT = (
     "Prefill and decode run on different instances: the decode instance pulls the prompt's "

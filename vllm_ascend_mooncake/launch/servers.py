@@ -28,8 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from vllm_ascend_mooncake.testing.engine_env import apply_engine_env
-
+from .engine_env import apply_engine_env
 from .ports import free_port
 
 #: The module that runs vLLM's CLI whichever vLLM distribution is installed.

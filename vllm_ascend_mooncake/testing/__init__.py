@@ -1,6 +1,8 @@
-"""Test fixtures shared by the test suite, the benchmarks and the demo.
+"""Test fixtures shared by the test suite and the benchmarks: the data-path harness, the reference
+model of which KV heads live where, and the emulated two-host network. Nothing outside tests and
+benchmarks imports them (what the demo and the launchers need lives in :mod:`..launch`).
 
-They live in the package (not under ``tests/``) so that benchmarks and the demo can use them from
-an installed copy too. Importing this package needs nothing beyond the standard library; the
+They live in the package (not under ``tests/``) so that benchmarks can use them from an installed
+copy too. Importing this package needs nothing beyond the standard library; the
 heavy libraries are imported by the functions that use them.
 """

@@ -406,7 +406,7 @@ def _train_tokenizer(vocab_size: int) -> Any:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_ascend_mooncake.testing.tiny_model",
+        prog="python -m vllm_ascend_mooncake.launch.tiny_model",
         description="Build (or find in the cache) a tiny random Llama model; print its path.",
     )
     for field in dataclasses.fields(TinyModelSpec):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from vllm_ascend_mooncake.deps import MissingDependencyError
-from vllm_ascend_mooncake.testing import tiny_model
-from vllm_ascend_mooncake.testing.tiny_model import (
+from vllm_ascend_mooncake.launch import tiny_model
+from vllm_ascend_mooncake.launch.tiny_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     MANIFEST_FILE,
@@ -191,7 +191,7 @@ def test_default_cache_root_follows_the_environment(
 
 def test_module_imports_without_heavy_libraries() -> None:
     code = (
-        "import sys, vllm_ascend_mooncake.testing.tiny_model;"
+        "import sys, vllm_ascend_mooncake.launch.tiny_model;"
         "heavy = {'torch', 'transformers', 'tokenizers', 'safetensors', 'vllm'} & set(sys.modules);"
         "assert not heavy, heavy"
     )
