@@ -24,12 +24,43 @@ from .topology import TopologyError, TransferTopology
 
 CONNECTOR_NAME = "MooncakeHeteroConnector"
 
+#: Bytes per unit of the ``*_kib`` / ``*_mib`` keys (see the ``*_bytes`` properties of
+#: :class:`ConnectorConfig`, the one place they are converted).
+KIB = 1 << 10
+MIB = 1 << 20
+
+# -- defaults -------------------------------------------------------------------------------------
+# The one definition of every default of kv_connector_extra_config (docs/configuration.md shows
+# them; tests/connector/test_config_docs.py checks that it does). The option dataclasses of the
+# lower modules (plan.PlanOptions, receiver.ReceiverOptions) and the transfer engine take their
+# defaults from here; this module imports none of them.
+
+#: Mooncake transports accepted as ``protocol``.
+PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
+#: ``protocol`` per device type when the configuration does not name one ...
+DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
+#: ... and for any other device type.
+FALLBACK_PROTOCOL = "tcp"
+#: How reads wait for completion (``read_wait``): see :mod:`.engine`.
+READ_WAITS = ("poll", "sync")
+DEFAULT_DEVICE_NAME = ""
 DEFAULT_SIDE_CHANNEL_PORT = 36100
 DEFAULT_RELEASE_TIMEOUT_S = 120.0
 DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
+DEFAULT_CLAIM_WAIT_S = 10.0
+DEFAULT_PREFILL_WAIT_S = 120.0
+DEFAULT_READ_RETRIES = 1
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
+#: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.
+TCP_MAX_DESCRIPTOR_KIB = 1024
+DEFAULT_COALESCE_RUNS = True
+#: ``block_reads_from_kib`` over tcp; 0 (never) on other transports.
+TCP_BLOCK_READS_FROM_KIB = 256
 DEFAULT_RECEIVER_THREADS = 4
 DEFAULT_STAGING_BUFFER_MIB = 64
+#: The longest a prefill may hold a decode's pending claim open (long poll), at most half of
+#: ``side_channel_timeout_s`` (:attr:`ConnectorConfig.claim_park_s`).
+DEFAULT_CLAIM_PARK_S = 1.0
 #: In an engine step that runs no tokens, how long a worker waits for a transfer to end. vLLM
 #: steps in a loop while a request only waits for KV (decode) or holds blocks for readers
 #: (prefill); each step costs the engine core and the workers CPU (and a shared-memory
@@ -44,6 +75,26 @@ MIN_SECRET_CHARS = 16
 #: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
 #: unset, so only another value is read (as ``side_channel_port``, see :func:`explicit_kv_port`).
 VLLM_DEFAULT_KV_PORT = 14579
+
+
+def default_protocol(device_type: str) -> str:
+    """``protocol`` when the configuration does not name one."""
+    return DEFAULT_PROTOCOLS.get(device_type, FALLBACK_PROTOCOL)
+
+
+def default_read_wait(protocol: str) -> str:
+    """``read_wait`` when the configuration does not say: ``poll`` over tcp, else ``sync``."""
+    return "poll" if protocol == "tcp" else "sync"
+
+
+def default_max_descriptor_kib(protocol: str) -> int:
+    """``max_descriptor_kib`` when the configuration does not say."""
+    return TCP_MAX_DESCRIPTOR_KIB if protocol == "tcp" else 0
+
+
+def default_block_reads_from_kib(protocol: str) -> int:
+    """``block_reads_from_kib`` when the configuration does not say."""
+    return TCP_BLOCK_READS_FROM_KIB if protocol == "tcp" else 0
 
 
 def _log() -> logging.Logger:
@@ -87,9 +138,9 @@ class ConnectorConfig:
     block_reads_from_kib: int
     receiver_threads: int
     staging_buffer_mib: int
-    read_wait: str = "poll"
+    read_wait: str = default_read_wait(FALLBACK_PROTOCOL)
     #: in an engine step that runs no tokens, how long a worker waits for a transfer to end
-    idle_step_wait_ms: float = 10.0
+    idle_step_wait_ms: float = DEFAULT_IDLE_STEP_WAIT_MS
     dp_rank: int = 0
     #: This engine's index among the data-parallel engines its API server fronts, and how many
     #: those are: what vLLM's ``X-data-parallel-rank`` header takes. The global DP rank with
@@ -114,6 +165,33 @@ class ConnectorConfig:
             self.num_kv_heads, self.prefill.tp_size, self.decode.tp_size, is_mla=self.is_mla
         )
 
+    # -- the settings in the units the data path uses --------------------------------------
+
+    @property
+    def max_descriptor_bytes(self) -> int:
+        """``max_descriptor_kib`` in bytes (0: never split)."""
+        return self.max_descriptor_kib * KIB
+
+    @property
+    def block_reads_from_bytes(self) -> int:
+        """``block_reads_from_kib`` in bytes (0: never)."""
+        return self.block_reads_from_kib * KIB
+
+    @property
+    def staging_buffer_bytes(self) -> int:
+        """``staging_buffer_mib`` in bytes."""
+        return self.staging_buffer_mib * MIB
+
+    @property
+    def idle_step_wait_s(self) -> float:
+        """``idle_step_wait_ms`` in seconds."""
+        return self.idle_step_wait_ms / 1e3
+
+    @property
+    def claim_park_s(self) -> float:
+        """How long a prefill may hold a pending claim open: at most half an exchange's timeout."""
+        return min(DEFAULT_CLAIM_PARK_S, self.side_channel_timeout_s / 2)
+
     def side_channel_base_port(self, dp_rank: int | None = None) -> int:
         """Port of TP rank 0 of a prefill DP rank; TP rank ``r`` listens on base + ``r``."""
         rank = self.dp_rank if dp_rank is None else dp_rank
@@ -123,7 +201,7 @@ class ConnectorConfig:
 _KEYS = {
     "prefill": "dict with tp_size (and dp_size) of the prefill instance",
     "decode": "dict with tp_size (and dp_size) of the decode instance",
-    "protocol": "Mooncake transport: tcp, rdma or ascend (default: by device)",
+    "protocol": f"Mooncake transport: {', '.join(PROTOCOLS)} (default: by device)",
     "device_name": "Mooncake device/NIC list, '' for auto",
     "side_channel_host": "address workers listen on and advertise (default: VLLM_HOST_IP, else "
     "the host's address)",
@@ -134,7 +212,8 @@ _KEYS = {
     "prefill_wait_s": "how long decode waits for a prefill it was sent alongside to finish",
     "read_retries": "extra attempts for a failed batched read",
     "max_descriptors_per_batch": "cap on descriptors per transfer call",
-    "max_descriptor_kib": "split larger descriptors (0: never; default 1024 on tcp, else 0)",
+    "max_descriptor_kib": f"split larger descriptors (0: never; default "
+    f"{TCP_MAX_DESCRIPTOR_KIB} on tcp, else 0)",
     "coalesce_runs": "run-level coalescing for heterogeneous TP",
     "block_reads_from_kib": "head-major merges read per block (no fix-up) from this block size",
     "receiver_threads": "decode threads issuing reads (parallel across prefill peers)",
@@ -414,8 +493,6 @@ def parse_config(
     ``kv_port``: vLLM's ``KVTransferConfig.kv_port`` when the user set it
     (:func:`explicit_kv_port`), read as ``side_channel_port``. ``server_dp``: this engine's
     ``(index, count)`` among those its API server fronts (:func:`server_dp_position`)."""
-    from .engine import READ_WAITS, default_protocol, default_read_wait
-
     extra = _migrate_keys(dict(extra or {}), kv_port)
     unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
@@ -484,21 +561,21 @@ def parse_config(
         is_mla=is_mla,
         block_size=block_size,
         protocol=_expect(extra, "protocol", str, default_protocol(device_type)),
-        device_name=_expect(extra, "device_name", str, ""),
+        device_name=_expect(extra, "device_name", str, DEFAULT_DEVICE_NAME),
         side_channel_host=_expect(extra, "side_channel_host", str, default_host()),
         side_channel_port=port,
         release_timeout_s=_expect(extra, "release_timeout_s", float, DEFAULT_RELEASE_TIMEOUT_S),
         side_channel_timeout_s=_expect(
             extra, "side_channel_timeout_s", float, DEFAULT_SIDE_CHANNEL_TIMEOUT_S
         ),
-        claim_wait_s=_expect(extra, "claim_wait_s", float, 10.0),
-        prefill_wait_s=_expect(extra, "prefill_wait_s", float, 120.0),
-        read_retries=_expect(extra, "read_retries", int, 1),
+        claim_wait_s=_expect(extra, "claim_wait_s", float, DEFAULT_CLAIM_WAIT_S),
+        prefill_wait_s=_expect(extra, "prefill_wait_s", float, DEFAULT_PREFILL_WAIT_S),
+        read_retries=_expect(extra, "read_retries", int, DEFAULT_READ_RETRIES),
         max_descriptors_per_batch=_expect(
             extra, "max_descriptors_per_batch", int, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
         ),
         max_descriptor_kib=_expect(extra, "max_descriptor_kib", int, -1),
-        coalesce_runs=_expect(extra, "coalesce_runs", bool, True),
+        coalesce_runs=_expect(extra, "coalesce_runs", bool, DEFAULT_COALESCE_RUNS),
         block_reads_from_kib=_expect(extra, "block_reads_from_kib", int, -1),
         receiver_threads=_expect(extra, "receiver_threads", int, DEFAULT_RECEIVER_THREADS),
         staging_buffer_mib=_expect(extra, "staging_buffer_mib", int, DEFAULT_STAGING_BUFFER_MIB),
@@ -511,9 +588,9 @@ def parse_config(
         extra=extra,
     )
     if config.max_descriptor_kib < 0:
-        config = replace(config, max_descriptor_kib=1024 if config.protocol == "tcp" else 0)
+        config = replace(config, max_descriptor_kib=default_max_descriptor_kib(config.protocol))
     if config.block_reads_from_kib < 0:
-        config = replace(config, block_reads_from_kib=256 if config.protocol == "tcp" else 0)
+        config = replace(config, block_reads_from_kib=default_block_reads_from_kib(config.protocol))
     if not config.read_wait:
         config = replace(config, read_wait=default_read_wait(config.protocol))
     if config.read_wait not in READ_WAITS:
@@ -536,10 +613,10 @@ def parse_config(
         raise ConnectorConfigError(
             f"kv_connector_extra_config['read_retries'] must be >= 0, got {config.read_retries}"
         )
-    if config.protocol not in ("tcp", "rdma", "ascend", "nvlink", "efa"):
+    if config.protocol not in PROTOCOLS:
         raise ConnectorConfigError(
             f"kv_connector_extra_config['protocol'] {config.protocol!r} is not a Mooncake "
-            f"transport (tcp, rdma, ascend)"
+            f"transport ({', '.join(PROTOCOLS)})"
         )
     return config
 

@@ -21,22 +21,17 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+# The protocol and read-wait defaults are the configuration's (config.py defines every default);
+# imported here under their old names, which this module also exports.
+from .config import DEFAULT_PROTOCOLS as DEFAULT_PROTOCOLS
+from .config import READ_WAITS, default_read_wait
+from .config import default_protocol as default_protocol
 from .deps import require_mooncake_engine
 from .log import get_logger
 
 logger = get_logger(__name__)
 
 METADATA_P2P = "P2PHANDSHAKE"
-
-# Protocol per device type, used when the configuration does not name one.
-DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
-
-# How reads wait for completion, by protocol, when the configuration does not say.
-READ_WAITS = ("poll", "sync")
-
-
-def default_read_wait(protocol: str) -> str:
-    return "poll" if protocol == "tcp" else "sync"
 
 
 # Mooncake's own sync-call timeout: MC_TRANSFER_TIMEOUT seconds (default 30, at least 5) plus one
@@ -95,10 +90,6 @@ def merge_ranges(ranges: Iterable[MemoryRange]) -> list[MemoryRange]:
         else:
             merged.append(r)
     return merged
-
-
-def default_protocol(device_type: str) -> str:
-    return DEFAULT_PROTOCOLS.get(device_type, "tcp")
 
 
 def session_name(host: str, port: int) -> str:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Only constants: config.py does no I/O when imported and imports nothing of the data path.
+from .config import DEFAULT_COALESCE_RUNS, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
 from .layout import (
     BlockOrder,
     LayoutError,
@@ -45,8 +47,6 @@ from .layout import (
     effective_order,
 )
 from .topology import HeadPull, TransferTopology
-
-DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 
 
 class PlanError(ValueError):
@@ -64,7 +64,7 @@ class StagingArea:
 @dataclass(frozen=True)
 class PlanOptions:
     max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-    coalesce_runs: bool = True
+    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
     # Head-major merges read block by block, needing no fix-up, when each prefill block is at
     # least this many bytes (0: never). Per-block descriptors then cost less than the local
     # permutation that run-level coalescing needs afterwards.

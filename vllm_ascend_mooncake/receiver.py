@@ -30,6 +30,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .config import (
+    DEFAULT_CLAIM_PARK_S,
+    DEFAULT_CLAIM_WAIT_S,
+    DEFAULT_COALESCE_RUNS,
+    DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+    DEFAULT_PREFILL_WAIT_S,
+    DEFAULT_READ_RETRIES,
+    DEFAULT_RECEIVER_THREADS,
+)
 from .engine import MooncakeEngine, TransferError, UnsettledTransfer
 from .lanes import FifoLane
 from .layout import BlockOrder, Region, effective_order
@@ -49,18 +58,26 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class ReceiverOptions:
-    max_descriptors_per_batch: int = 1024
-    coalesce_runs: bool = True
-    block_reads_from_bytes: int = 0
-    max_descriptor_bytes: int = 0
-    num_threads: int = 4
+    """The decode side's settings, in bytes and seconds. Those that are keys of
+    kv_connector_extra_config default to the configuration's defaults (config.py); the worker
+    passes the configured values (:class:`~.config.ConnectorConfig`)."""
+
+    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
+    block_reads_from_bytes: int = 0  # 0: never (the configured default depends on the protocol)
+    max_descriptor_bytes: int = 0  # 0: never split (likewise)
+    num_threads: int = DEFAULT_RECEIVER_THREADS  # receiver_threads
     requests_per_turn: int = 4
-    claim_wait_s: float = 10.0  # how long a "pending" prefill (request not registered yet) is asked
-    prefill_wait_s: float = 120.0  # the same, for a pull admitted before prefill finished
+    # how long a "pending" prefill (request not registered yet) is asked
+    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S
+    # the same, for a pull admitted before prefill finished
+    prefill_wait_s: float = DEFAULT_PREFILL_WAIT_S
     claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
-    claim_park_s: float = 1.0  # prefill may hold a pending claim's reply this long (long poll)
+    # prefill may hold a pending claim's reply this long (long poll)
+    claim_park_s: float = DEFAULT_CLAIM_PARK_S
     claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
-    read_retries: int = 1  # extra attempts for a failed batch read (transient transport errors)
+    # extra attempts for a failed batch read (transient transport errors)
+    read_retries: int = DEFAULT_READ_RETRIES
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
     notify_attempts: int = 4  # read-done deliveries tried per peer before the prefill's deadline

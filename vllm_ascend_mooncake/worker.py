@@ -140,12 +140,12 @@ class ConnectorWorker:
                 ReceiverOptions(
                     max_descriptors_per_batch=config.max_descriptors_per_batch,
                     coalesce_runs=config.coalesce_runs,
-                    block_reads_from_bytes=config.block_reads_from_kib * 1024,
-                    max_descriptor_bytes=config.max_descriptor_kib << 10,
+                    block_reads_from_bytes=config.block_reads_from_bytes,
+                    max_descriptor_bytes=config.max_descriptor_bytes,
                     num_threads=config.receiver_threads,
                     claim_wait_s=config.claim_wait_s,
                     prefill_wait_s=config.prefill_wait_s,
-                    claim_park_s=min(1.0, config.side_channel_timeout_s / 2),
+                    claim_park_s=config.claim_park_s,
                     read_retries=config.read_retries,
                 ),
                 staging,
@@ -167,7 +167,7 @@ class ConnectorWorker:
         topology = self.config.topology()
         if topology.decode_heads_per_rank >= topology.prefill_heads_per_rank:
             return []
-        size = self.config.staging_buffer_mib << 20
+        size = self.config.staging_buffer_bytes
         return [torch.empty(size, dtype=torch.uint8, device=like.device)]
 
     def _check_resolved_layout(self) -> None:
@@ -222,7 +222,7 @@ class ConnectorWorker:
         sending: set[str] = set()
         recving: set[str] = set()
         if idle:  # see config.DEFAULT_IDLE_STEP_WAIT_MS
-            wait_s = self.config.idle_step_wait_ms / 1e3
+            wait_s = self.config.idle_step_wait_s
             if self.receiver is not None:
                 self.receiver.wait_for_news(wait_s)
             if self.sender is not None:

@@ -376,3 +376,99 @@ def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
             block_size=32,
             device_type="cpu",
         )
+
+
+def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
+    from vllm_ascend_mooncake.config import PROTOCOLS
+
+    for protocol in PROTOCOLS:
+        assert config(extra={"protocol": protocol}).protocol == protocol
+    with pytest.raises(ConnectorConfigError) as refused:
+        config(extra={"protocol": "carrier-pigeon"})
+    assert all(protocol in str(refused.value) for protocol in PROTOCOLS)
+
+
+def test_defaults_are_the_config_constants_and_the_options_defaults() -> None:
+    """One definition per default: what parse_config fills in, and what the data path's option
+    dataclasses default to, are config.py's constants."""
+    from vllm_ascend_mooncake import config as c
+    from vllm_ascend_mooncake.plan import PlanOptions
+    from vllm_ascend_mooncake.receiver import ReceiverOptions
+
+    cfg = config(extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, "protocol": "tcp"})
+    assert (
+        cfg.device_name,
+        cfg.side_channel_port,
+        cfg.release_timeout_s,
+        cfg.side_channel_timeout_s,
+        cfg.claim_wait_s,
+        cfg.prefill_wait_s,
+        cfg.read_retries,
+        cfg.max_descriptors_per_batch,
+        cfg.max_descriptor_kib,
+        cfg.coalesce_runs,
+        cfg.block_reads_from_kib,
+        cfg.receiver_threads,
+        cfg.staging_buffer_mib,
+        cfg.read_wait,
+        cfg.idle_step_wait_ms,
+    ) == (
+        c.DEFAULT_DEVICE_NAME,
+        c.DEFAULT_SIDE_CHANNEL_PORT,
+        c.DEFAULT_RELEASE_TIMEOUT_S,
+        c.DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
+        c.DEFAULT_CLAIM_WAIT_S,
+        c.DEFAULT_PREFILL_WAIT_S,
+        c.DEFAULT_READ_RETRIES,
+        c.DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+        c.TCP_MAX_DESCRIPTOR_KIB,
+        c.DEFAULT_COALESCE_RUNS,
+        c.TCP_BLOCK_READS_FROM_KIB,
+        c.DEFAULT_RECEIVER_THREADS,
+        c.DEFAULT_STAGING_BUFFER_MIB,
+        c.default_read_wait("tcp"),
+        c.DEFAULT_IDLE_STEP_WAIT_MS,
+    )
+    rdma = config(extra={"protocol": "rdma"})
+    assert (rdma.max_descriptor_kib, rdma.block_reads_from_kib, rdma.read_wait) == (0, 0, "sync")
+    assert config(device_type="npu").protocol == c.DEFAULT_PROTOCOLS["npu"]
+    assert config(device_type="tpu").protocol == c.FALLBACK_PROTOCOL
+
+    receiver, plan = ReceiverOptions(), PlanOptions()
+    assert plan.max_descriptors_per_batch == receiver.max_descriptors_per_batch == 1024
+    assert plan.coalesce_runs is receiver.coalesce_runs is c.DEFAULT_COALESCE_RUNS
+    assert receiver.num_threads == c.DEFAULT_RECEIVER_THREADS
+    assert (receiver.claim_wait_s, receiver.prefill_wait_s, receiver.read_retries) == (
+        c.DEFAULT_CLAIM_WAIT_S,
+        c.DEFAULT_PREFILL_WAIT_S,
+        c.DEFAULT_READ_RETRIES,
+    )
+    assert receiver.claim_park_s == c.DEFAULT_CLAIM_PARK_S == cfg.claim_park_s
+    # The values these defaults had before they were given one definition.
+    assert (c.DEFAULT_CLAIM_WAIT_S, c.DEFAULT_PREFILL_WAIT_S, c.DEFAULT_READ_RETRIES) == (
+        10.0,
+        120.0,
+        1,
+    )
+    assert (c.TCP_MAX_DESCRIPTOR_KIB, c.TCP_BLOCK_READS_FROM_KIB, c.DEFAULT_RECEIVER_THREADS) == (
+        1024,
+        256,
+        4,
+    )
+
+
+def test_sizes_and_waits_in_the_units_the_data_path_uses() -> None:
+    cfg = config(
+        extra={
+            "max_descriptor_kib": 3,
+            "block_reads_from_kib": 5,
+            "staging_buffer_mib": 2,
+            "idle_step_wait_ms": 50,
+            "side_channel_timeout_s": 1.0,
+        }
+    )
+    assert cfg.max_descriptor_bytes == 3 * 1024
+    assert cfg.block_reads_from_bytes == 5 * 1024
+    assert cfg.staging_buffer_bytes == 2 * 1024 * 1024
+    assert cfg.idle_step_wait_s == 0.05
+    assert cfg.claim_park_s == 0.5  # half an exchange's timeout, below the 1 s cap
