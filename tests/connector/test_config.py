@@ -346,36 +346,19 @@ def test_a_dense_models_engines_keep_their_rank_and_the_declared_size() -> None:
     assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
     assert dp_index(parallel) == 1
     assert server_dp_position(parallel, declared_dp_size=2) == (1, 2)
-    config = parse_config(
+    engine_1 = config(
         kv_role="kv_producer",
-        engine_id="p_dp1",
         extra={"prefill": {"tp_size": 2, "dp_size": 2}, "side_channel_port": 30000},
         local_tp=2,
-        local_dp=1,
         dp_rank=1,
-        num_kv_heads=4,
-        is_mla=False,
-        block_size=32,
-        device_type="cpu",
     )
-    assert config.side_channel_base_port() == 30002
+    assert engine_1.side_channel_base_port() == 30002
 
 
 def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
     """Two engines on one side-channel port would fail later, and less clearly."""
     with pytest.raises(ConnectorConfigError, match=r"data-parallel engine 1.*dp_size is 1"):
-        parse_config(
-            kv_role="kv_producer",
-            engine_id="p_dp1",
-            extra={"prefill": {"tp_size": 1}},
-            local_tp=1,
-            local_dp=1,
-            dp_rank=1,
-            num_kv_heads=4,
-            is_mla=False,
-            block_size=32,
-            device_type="cpu",
-        )
+        config(kv_role="kv_producer", extra={"prefill": {"tp_size": 1}}, dp_rank=1)
 
 
 def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
