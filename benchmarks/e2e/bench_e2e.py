@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import signal
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import add_json_arg, environment, make_parser, write_json
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.timeline import TIMELINE_LOG_ENV
 
@@ -129,11 +128,7 @@ def _system_list(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.e2e.bench_e2e",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = make_parser("benchmarks.e2e.bench_e2e", __doc__)
     parser.add_argument(
         "--systems",
         type=_system_list,
@@ -189,7 +184,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="server and proxy logs; a new temp dir if not given",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     longest = max([*args.prompt_lens, PROBE_PROMPT_LEN])
     if longest + args.max_tokens > args.max_model_len:
@@ -395,19 +390,6 @@ def _attach_request_timelines(reports: list[SystemReport]) -> None:
                 report.cells[index] = replace(cell, request_timeline=breakdown.to_dict())
 
 
-def _environment() -> dict[str, Any]:
-    import torch
-    import vllm
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": getattr(vllm, "__version__", "unknown"),
-    }
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -507,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for key, value in vars(args).items()
             }
             | {"model": model, "probe_prompt_len": PROBE_PROMPT_LEN},
-            "environment": _environment(),
+            "environment": environment(),
             "started_at_unix": started,
             "wall_s": time.time() - started,
             "systems": [report.to_dict() for report in reports],
@@ -517,9 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warnings": warnings,
             "valid": valid,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-        print(f"JSON written to {args.json}")
+        print(f"JSON written to {write_json(args.json, document)}")
     return 0 if valid else 1
 
 

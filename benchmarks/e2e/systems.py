@@ -25,13 +25,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
-from vllm_ascend_mooncake.launch.servers import ServerError, VllmServer, stop_process_group
+from vllm_ascend_mooncake.launch.servers import (
+    ServerError,
+    VllmServer,
+    start_helper,
+    start_servers,
+    stop_all,
+)
 
 from .transfer_logs import (
     error_lines,
@@ -59,6 +66,25 @@ class EngineSettings:
     dtype: str = "float32"
     block_size: int = 32
     max_model_len: int = 512
+
+    def server(
+        self,
+        tp: int,
+        log_path: Path,
+        extra_env: dict[str, str],
+        extra_args: Sequence[str] = (),
+    ) -> VllmServer:
+        """A (not yet started) instance with these settings (VllmServer's defaults otherwise)."""
+        return VllmServer(
+            self.model,
+            tensor_parallel_size=tp,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            extra_args=extra_args,
+            extra_env=extra_env,
+            log_path=log_path,
+        )
 
 
 @dataclass
@@ -162,14 +188,8 @@ class ColocatedSystem(BenchSystem):
 
     def __init__(self, settings: EngineSettings, tp: int, log_dir: Path) -> None:
         self.description = f"one vllm serve instance, TP {tp}, no connector"
-        self.server = VllmServer(
-            settings.model,
-            tensor_parallel_size=tp,
-            dtype=settings.dtype,
-            block_size=settings.block_size,
-            max_model_len=settings.max_model_len,
-            extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
-            log_path=log_dir / "colocated.log",
+        self.server = settings.server(
+            tp, log_dir / "colocated.log", {"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}
         )
         self.url = self.server.base_url
 
@@ -258,11 +278,7 @@ class OursSystem(BenchSystem):
         ]
 
     def process_groups(self) -> list[int]:
-        # LocalDeployment starts its proxy in a session of its own, like the servers, but has
-        # no public handle on that process.
-        proxy = self.deployment._proxy
-        groups = [self.deployment.prefill.pid, self.deployment.decode.pid]
-        return groups + ([proxy.pid] if proxy is not None else [])
+        return self.deployment.process_groups()
 
     def instances(self) -> dict[str, str]:
         return {
@@ -312,15 +328,11 @@ class VllmMooncakeSystem(BenchSystem):
             SHIM_FLAG: "1",
         }
         self.prefill, self.decode = (
-            VllmServer(
-                settings.model,
-                tensor_parallel_size=tp,
-                dtype=settings.dtype,
-                block_size=settings.block_size,
-                max_model_len=settings.max_model_len,
-                extra_args=["--kv-transfer-config", json.dumps(vllm_mooncake_config(role))],
-                extra_env=env,
-                log_path=self.log_dir / f"{label}.log",
+            settings.server(
+                tp,
+                self.log_dir / f"{label}.log",
+                env,
+                ["--kv-transfer-config", json.dumps(vllm_mooncake_config(role))],
             )
             for role, tp, label in (
                 ("kv_producer", prefill_tp, "prefill"),
@@ -331,77 +343,47 @@ class VllmMooncakeSystem(BenchSystem):
         self.url = f"http://127.0.0.1:{self.proxy_port}"
         self.proxy_log = self.log_dir / "proxy.log"
         self._proxy: subprocess.Popen[bytes] | None = None
-        self._proxy_log_file: IO[bytes] | None = None
 
     @property
     def bootstrap_url(self) -> str:
         return f"http://127.0.0.1:{self.bootstrap_port}"
 
     def start(self, timeout_s: float) -> float:
+        """Like :meth:`LocalDeployment.start`, with vLLM's connector and its proxy."""
         started = time.monotonic()
-        self.prefill.start()
-        self.decode.start()
-        self.prefill.wait_ready(timeout_s)
-        self.decode.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
-        self.proxy_log.parent.mkdir(parents=True, exist_ok=True)
-        self._proxy_log_file = self.proxy_log.open("wb")
-        self._proxy = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.e2e.mooncake_proxy",
-                "--port",
-                str(self.proxy_port),
-                "--prefill",
-                self.prefill.base_url,
-                "--decode",
-                self.decode.base_url,
-                "--bootstrap",
-                self.bootstrap_url,
-            ],
-            cwd=REPO_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=self._proxy_log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + _PROXY_READY_TIMEOUT_S
-        while not _http_ok(f"{self.url}/health"):
-            if self._proxy.poll() is not None or time.monotonic() > deadline:
-                raise ServerError(
-                    "the MooncakeConnector proxy never became healthy (P, D and P's bootstrap "
-                    f"server {self.bootstrap_url}/query must answer); proxy log:\n"
-                    f"{read_log(self.proxy_log)[-3000:]}\nprefill log tail:\n"
-                    f"{self.prefill.log_tail(3000)}"
-                )
-            time.sleep(0.5)
+        start_servers((self.prefill, self.decode), timeout_s)
+        try:
+            self._proxy = start_helper(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.e2e.mooncake_proxy",
+                    "--port",
+                    str(self.proxy_port),
+                    "--prefill",
+                    self.prefill.base_url,
+                    "--decode",
+                    self.decode.base_url,
+                    "--bootstrap",
+                    self.bootstrap_url,
+                ],
+                self.proxy_log,
+                f"{self.url}/health",
+                timeout_s=_PROXY_READY_TIMEOUT_S,
+                cwd=REPO_ROOT,
+                what="the MooncakeConnector proxy",
+            )
+        except ServerError as error:
+            raise ServerError(
+                f"{error}\n(P, D and P's bootstrap server {self.bootstrap_url}/query must "
+                f"answer); prefill log tail:\n{self.prefill.log_tail(3000)}"
+            ) from error
         return time.monotonic() - started
 
     def stop(self) -> None:
-        try:
-            self._stop_proxy()
-        finally:
-            self._stop_servers()
-
-    def _stop_proxy(self) -> None:
+        """Like :meth:`LocalDeployment.stop`: the proxy, then decode and prefill."""
         proxy, self._proxy = self._proxy, None
-        try:
-            if proxy is not None:
-                stop_process_group(proxy)
-        finally:
-            if self._proxy_log_file is not None:
-                self._proxy_log_file.close()
-                self._proxy_log_file = None
-
-    def _stop_servers(self) -> None:
-        errors = []
-        for server in (self.decode, self.prefill):
-            try:
-                server.stop()
-            except ServerError as error:
-                errors.append(str(error))
-        if errors:
-            raise ServerError("; ".join(errors))
+        stop_all((proxy,), (self.decode, self.prefill))
 
     def proxy_stats(self) -> dict[str, Any] | None:
         """The proxy's count of failed prefill legs (None if it cannot be asked)."""
@@ -429,11 +411,3 @@ class VllmMooncakeSystem(BenchSystem):
 
     def instances(self) -> dict[str, str]:
         return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False

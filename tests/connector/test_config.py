@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ascend_mooncake.config import SECRET_ENV, ConnectorConfigError, parse_config
+from vllm_ascend_mooncake.connector.config import SECRET_ENV, ConnectorConfigError, parse_config
 
 
 def config(**overrides):
@@ -85,7 +85,7 @@ def test_the_side_channel_secret_comes_from_the_config_or_the_environment(monkey
 
 
 def test_the_advertised_address_is_vllm_host_ip_else_the_hosts_own(monkeypatch) -> None:
-    from vllm_ascend_mooncake import config as config_module
+    from vllm_ascend_mooncake.connector import config as config_module
 
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     assert config().side_channel_host == "10.1.2.3"
@@ -109,7 +109,7 @@ def test_the_advertised_address_is_vllm_host_ip_else_the_hosts_own(monkeypatch) 
     ],
 )
 def test_loopback_addresses(host: str, loopback: bool) -> None:
-    from vllm_ascend_mooncake.config import is_loopback
+    from vllm_ascend_mooncake.connector.config import is_loopback
 
     assert is_loopback(host) is loopback
 
@@ -119,16 +119,20 @@ def test_loopback_addresses(host: str, loopback: bool) -> None:
 
 @pytest.fixture
 def config_log(caplog):
-    """Records of the config module's logger (vLLM's loggers do not propagate to the root)."""
+    """Records of the config and migration modules' loggers (vLLM's loggers do not propagate
+    to the root)."""
     import logging
 
-    from vllm_ascend_mooncake import config as config_module
+    from vllm_ascend_mooncake.connector import config as config_module
+    from vllm_ascend_mooncake.connector import migration
 
-    logger = config_module._log()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger=logger.name)
+    loggers = (config_module._log(), migration._log())
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
+        caplog.set_level(logging.INFO, logger=logger.name)
     yield caplog
-    logger.removeHandler(caplog.handler)
+    for logger in loggers:
+        logger.removeHandler(caplog.handler)
 
 
 def with_sizes(**keys):
@@ -163,7 +167,7 @@ def test_vllms_kv_port_field_is_read_as_the_side_channel_port(config_log) -> Non
 def test_kv_port_is_read_only_when_it_differs_from_vllms_default() -> None:
     from vllm.config import KVTransferConfig
 
-    from vllm_ascend_mooncake.config import VLLM_DEFAULT_KV_PORT, explicit_kv_port
+    from vllm_ascend_mooncake.connector.config import VLLM_DEFAULT_KV_PORT, explicit_kv_port
 
     def transfer(**fields):
         return KVTransferConfig(
@@ -272,7 +276,7 @@ def test_config_from_vllm_reads_an_explicit_kv_port() -> None:
 
     from vllm.config import KVTransferConfig
 
-    from vllm_ascend_mooncake.config import config_from_vllm
+    from vllm_ascend_mooncake.connector.config import config_from_vllm
 
     def vllm_config(**transfer_fields):
         return SimpleNamespace(
@@ -329,7 +333,7 @@ def test_server_dp_position_numbers_engines_as_the_api_server_does(settings, pos
     ``X-data-parallel-rank`` header selects among the engines behind that API server."""
     from vllm.config import ParallelConfig
 
-    from vllm_ascend_mooncake.config import server_dp_position
+    from vllm_ascend_mooncake.connector.config import server_dp_position
 
     assert server_dp_position(ParallelConfig(**settings)) == position
 
@@ -339,7 +343,7 @@ def test_a_dense_models_engines_keep_their_rank_and_the_declared_size() -> None:
     keeps the rank. The connector must still give engine 1 its own side-channel ports."""
     from vllm.config import ParallelConfig
 
-    from vllm_ascend_mooncake.config import dp_index, server_dp_position
+    from vllm_ascend_mooncake.connector.config import dp_index, server_dp_position
 
     parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
     parallel.reconfigure_for_independent_dp_rank()  # what vLLM's engine core does
@@ -362,7 +366,7 @@ def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
 
 
 def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
-    from vllm_ascend_mooncake.config import PROTOCOLS
+    from vllm_ascend_mooncake.connector.config import PROTOCOLS
 
     for protocol in PROTOCOLS:
         assert config(extra={"protocol": protocol}).protocol == protocol
@@ -374,9 +378,9 @@ def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
 def test_defaults_are_the_config_constants_and_the_options_defaults() -> None:
     """One definition per default: what parse_config fills in, and what the data path's option
     dataclasses default to, are config.py's constants."""
-    from vllm_ascend_mooncake import config as c
-    from vllm_ascend_mooncake.plan import PlanOptions
-    from vllm_ascend_mooncake.receiver import ReceiverOptions
+    from vllm_ascend_mooncake.connector import config as c
+    from vllm_ascend_mooncake.core.plan import PlanOptions
+    from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
 
     cfg = config(extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, "protocol": "tcp"})
     assert (
@@ -455,3 +459,95 @@ def test_sizes_and_waits_in_the_units_the_data_path_uses() -> None:
     assert cfg.staging_buffer_bytes == 2 * 1024 * 1024
     assert cfg.idle_step_wait_s == 0.05
     assert cfg.claim_park_s == 0.5  # half an exchange's timeout, below the 1 s cap
+
+
+# -- the declaration of the keys (config.KEYS) drives their checks --------------------------------
+
+
+def _declared(name):
+    from vllm_ascend_mooncake.connector.config import KEYS
+
+    return next(key for key in KEYS if key.name == name)
+
+
+def _table_checked_keys():
+    from vllm_ascend_mooncake.connector.config import KEYS
+
+    return [key.name for key in KEYS if not key.own_check]
+
+
+@pytest.mark.parametrize("name", _table_checked_keys())
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key_and_type(name) -> None:
+    key = _declared(name)
+    wrong = 1 if key.type is str else "x"
+    with pytest.raises(ConnectorConfigError) as refused:
+        config(extra=with_sizes(**{name: wrong}))
+    assert f"kv_connector_extra_config[{name!r}] must be {key.type.__name__}, got {wrong!r}" in (
+        str(refused.value)
+    )
+
+
+@pytest.mark.parametrize(
+    "name,value,bound",
+    [
+        ("release_timeout_s", 0, "> 0"),
+        ("side_channel_timeout_s", -1.5, "> 0"),
+        ("claim_wait_s", 0.0, "> 0"),
+        ("prefill_wait_s", 0, "> 0"),
+        ("max_descriptors_per_batch", 0, "> 0"),
+        ("receiver_threads", -1, "> 0"),
+        ("staging_buffer_mib", 0, "> 0"),
+        ("idle_step_wait_ms", 0, "> 0"),
+        ("read_retries", -1, ">= 0"),
+        ("side_channel_port", 0, "a port number, 1 to 65535"),
+        ("side_channel_port", 70000, "a port number, 1 to 65535"),
+        ("read_wait", "spin", "one of poll, sync"),
+    ],
+)
+def test_a_value_out_of_bounds_is_refused_naming_the_key_and_bound(name, value, bound) -> None:
+    with pytest.raises(ConnectorConfigError) as refused:
+        config(extra=with_sizes(**{name: value}))
+    message = str(refused.value)  # an int where a float is due is shown as the float read
+    assert message.startswith(f"kv_connector_extra_config[{name!r}] must be {bound}, got ")
+    assert message.endswith(repr(float(value) if isinstance(value, int) else value)) or (
+        message.endswith(repr(value))
+    )
+
+
+def test_every_bound_is_declared_on_the_keys_it_checks() -> None:
+    """Every key the table checks by value has a bound, or says why not (a type says it all)."""
+    from vllm_ascend_mooncake.connector.config import KEYS
+
+    unbounded = {key.name for key in KEYS if key.bound is None and not key.own_check}
+    assert unbounded == {
+        "device_name",  # any NIC list
+        "side_channel_host",  # any address or name
+        "side_channel_secret",  # its length is checked with the environment's
+        "coalesce_runs",  # a bool
+        "ascend_local_comm_res_path",  # not read here
+    }
+
+
+@pytest.mark.parametrize("name", ["max_descriptor_kib", "block_reads_from_kib", "read_wait"])
+def test_values_that_meant_the_default_still_do(name) -> None:
+    """Kept from before the keys were declared: a negative size, an empty read_wait."""
+    value = "" if name == "read_wait" else -1
+    for protocol in ("tcp", "rdma"):
+        explicit = config(extra=with_sizes(protocol=protocol, **{name: value}))
+        assert getattr(explicit, name) == getattr(config(extra=with_sizes(protocol=protocol)), name)
+
+
+def test_the_declared_plain_defaults_are_what_parse_config_fills_in() -> None:
+    from vllm_ascend_mooncake.connector.config import KEYS, Computed, ConnectorConfig
+
+    fields = set(ConnectorConfig.__dataclass_fields__)
+    plain = [k for k in KEYS if not isinstance(k.default, Computed) and k.name in fields]
+    assert len(plain) >= 10
+    cfg = config()
+    for key in plain:
+        assert getattr(cfg, key.name) == key.default, key.name
+    for key in KEYS:
+        if isinstance(key.default, Computed) and key.default.of_protocol is not None:
+            for protocol in ("tcp", "rdma", "ascend"):
+                got = getattr(config(extra=with_sizes(protocol=protocol)), key.name)
+                assert got == key.default.of_protocol(protocol), (key.name, protocol)

@@ -1,14 +1,25 @@
-"""docs/configuration.md documents exactly the keys config.py accepts, with the code's defaults."""
+"""docs/configuration.md documents exactly the keys config.py accepts, with the code's defaults.
+
+Its key table is generated from ``config.KEYS`` (``python scripts/config_table.py --write``);
+these tests fail when the two differ, and check the declared defaults against parse_config."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_ascend_mooncake.config import _KEYS, default_protocol, parse_config
+from vllm_ascend_mooncake.connector.config import (
+    _KEYS,
+    KEY_TABLE_BEGIN,
+    KEY_TABLE_END,
+    default_protocol,
+    key_table_markdown,
+    parse_config,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -38,6 +49,25 @@ def docs_key_table() -> tuple[list[str], dict[str, list[str]]]:
         assert key not in rows, f"{DOCS}: key {key!r} has two rows"
         rows[key] = cells
     return header, rows
+
+
+def test_the_docs_table_is_the_generated_one() -> None:
+    """A key added, removed or changed in config.KEYS without regenerating the docs fails here."""
+    text = DOCS.read_text()
+    assert text.count(KEY_TABLE_BEGIN) == 1 and text.count(KEY_TABLE_END) == 1, (
+        f"{DOCS} must have the key table between one {KEY_TABLE_BEGIN!r} and one {KEY_TABLE_END!r}"
+    )
+    documented = text.split(KEY_TABLE_BEGIN)[1].split(KEY_TABLE_END)[0].strip("\n")
+    generated = key_table_markdown().strip("\n")
+    diff = "\n".join(
+        difflib.unified_diff(
+            documented.splitlines(), generated.splitlines(), "docs", "config.KEYS", lineterm=""
+        )
+    )
+    assert documented == generated, (
+        f"the key table of {DOCS} is not the one config.KEYS generates: run "
+        f"`python scripts/config_table.py --write`\n{diff}"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_ascend_mooncake.identity import attention_backend_label, model_config_digest
+from vllm_ascend_mooncake.connector.identity import attention_backend_label, model_config_digest
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "head_dim": 64}
 

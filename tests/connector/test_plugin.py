@@ -8,14 +8,14 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from vllm_ascend_mooncake.config import CONNECTOR_NAME
-from vllm_ascend_mooncake.connector import MooncakeHeteroConnector
-from vllm_ascend_mooncake.plugin import register
+from vllm_ascend_mooncake.connector.config import CONNECTOR_NAME
+from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector
+from vllm_ascend_mooncake.connector.plugin import register
 
 
 def test_installed_as_a_vllm_general_plugin() -> None:
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert plugins["vllm_ascend_mooncake"] == "vllm_ascend_mooncake.plugin:register"
+    assert plugins["vllm_ascend_mooncake"] == "vllm_ascend_mooncake.connector.plugin:register"
 
 
 def test_registration_is_idempotent_and_does_not_clash() -> None:

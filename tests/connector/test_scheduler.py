@@ -3,44 +3,33 @@
 from __future__ import annotations
 
 import pytest
-from vllm import SamplingParams
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_ascend_mooncake.config import parse_config
-from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
-from vllm_ascend_mooncake.pull import HoldRequest
-from vllm_ascend_mooncake.scheduler import ConnectorScheduler
+from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.params import MAX_TRANSFER_ID_CHARS
+from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
+from vllm_ascend_mooncake.datapath.orders import HoldOrder
+from vllm_ascend_mooncake.testing.scheduler_fakes import (
+    connector_scheduler,
+    kv_blocks,
+    vllm_request,
+)
 
 BLOCK = 32
 
 
 def scheduler(role: str) -> ConnectorScheduler:
-    return ConnectorScheduler(
-        parse_config(
-            kv_role=role,
-            engine_id="engine-p",
-            extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, "side_channel_port": 40000},
-            local_tp=2 if role == "kv_producer" else 1,
-            local_dp=1,
-            num_kv_heads=4,
-            is_mla=False,
-            block_size=BLOCK,
-            device_type="cpu",
-        )
+    """TP 2 -> 1, 4 KV heads, prefill's side channel on port 40000."""
+    return connector_scheduler(
+        role, prefill_tp=2, num_kv_heads=4, block_size=BLOCK, extra={"side_channel_port": 40000}
     )
 
 
 def request(request_id: str, num_tokens: int, params: dict | None) -> Request:
-    sampling = SamplingParams(
-        max_tokens=4, extra_args={"kv_transfer_params": params} if params else None
-    )
-    return Request(request_id, list(range(num_tokens)), sampling, None)
+    return vllm_request(request_id, num_tokens, params)
 
 
-def blocks(ids: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+blocks = kv_blocks
 
 
 def prefill_params(num_tokens: int) -> dict:
@@ -124,7 +113,7 @@ def test_prefill_holds_under_the_proxys_transfer_id() -> None:
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = p.request_finished(req, [7, 8, 9, 10])
     assert delay and params["remote_request_id"] == "t-6"
-    assert p.build_step_orders().holds == [HoldRequest("p-6", "t-6", (7, 8, 9), 70)]
+    assert p.build_step_orders().holds == [HoldOrder("p-6", "t-6", (7, 8, 9), 70)]
 
 
 @pytest.mark.parametrize("transfer_id", ["", 7, "x" * (MAX_TRANSFER_ID_CHARS + 1)])
@@ -331,7 +320,7 @@ def test_timeline_stamps_a_load_from_admission_to_first_step(caplog, monkeypatch
     keeps no stamps of requests that finished (no growth while requests come and go)."""
     import logging
 
-    from vllm_ascend_mooncake import scheduler as scheduler_module
+    from vllm_ascend_mooncake.connector import scheduler as scheduler_module
     from vllm_ascend_mooncake.timeline import TimelineLog, parse_timeline_line
 
     logger = logging.getLogger("test.scheduler.timeline")

@@ -7,7 +7,7 @@ import pickle
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from vllm_ascend_mooncake.stats import TransferPromMetrics, TransferStats
+from vllm_ascend_mooncake.connector.stats import TransferPromMetrics, TransferStats
 from vllm_ascend_mooncake.timeline import PHASES, PullTimeline
 
 

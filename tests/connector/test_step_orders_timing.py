@@ -8,9 +8,8 @@ tests run the real one.
 
 from __future__ import annotations
 
-from vllm_ascend_mooncake.connector import MooncakeHeteroConnector, StepMetadata
-from vllm_ascend_mooncake.pull import HoldRequest
-from vllm_ascend_mooncake.scheduler import StepOrders
+from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector, StepMetadata
+from vllm_ascend_mooncake.datapath.orders import HoldOrder, StepOrders
 
 
 class RecordingWorker:
@@ -31,7 +30,7 @@ def worker_side_connector() -> tuple[MooncakeHeteroConnector, RecordingWorker]:
 
 def test_orders_run_at_bind_and_not_again_after_the_forward() -> None:
     connector, worker = worker_side_connector()
-    orders = StepOrders(holds=[HoldRequest("r-1", "t-1", (1, 2), 40)])
+    orders = StepOrders(holds=[HoldOrder("r-1", "t-1", (1, 2), 40)])
     metadata = StepMetadata(orders)
     connector.bind_connector_metadata(metadata)
     assert worker.applied == [orders]  # before the forward

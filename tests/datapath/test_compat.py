@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_ascend_mooncake.compat import IncompatiblePeerError, check_peer
-from vllm_ascend_mooncake.layout import BlockOrder, Region, RegionLayout
-from vllm_ascend_mooncake.topology import TransferTopology
-from vllm_ascend_mooncake.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError, check_peer
+from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 
 IDENTITY = ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False)
 
@@ -31,7 +31,7 @@ def metadata(
         dp_rank=0,
         dp_size=1,
         pp_size=1,
-        te_session="127.0.0.1:1",
+        transport_session="127.0.0.1:1",
         identity=identity,
         regions=[RegionInfo.of(Region(n, 4096 * i, layout)) for i, n in enumerate(names)],
     )

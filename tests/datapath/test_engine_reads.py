@@ -13,7 +13,8 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from vllm_ascend_mooncake.engine import MemoryRange, MooncakeEngine, TransferError
+from vllm_ascend_mooncake.datapath.mooncake import MooncakeTransport
+from vllm_ascend_mooncake.datapath.transport import MemoryRange, TransferError
 
 SOURCE_BYTES = 4 << 20
 
@@ -21,7 +22,7 @@ SOURCE_BYTES = 4 << 20
 def _serve(conn) -> None:
     """Register a patterned buffer, publish where it is, and keep it alive until told to stop."""
     source = np.random.default_rng(7).integers(0, 256, SOURCE_BYTES, dtype=np.uint8)
-    engine = MooncakeEngine("127.0.0.1", "tcp")
+    engine = MooncakeTransport("127.0.0.1", "tcp")
     engine.register([MemoryRange(source.ctypes.data, source.nbytes)])
     conn.send((engine.session, source.ctypes.data))
     conn.recv()
@@ -48,7 +49,7 @@ def _expected() -> np.ndarray:
 @pytest.mark.parametrize("read_wait", ["poll", "sync"])
 def test_scattered_reads_land_exactly(peer, read_wait) -> None:
     session, base = peer
-    engine = MooncakeEngine("127.0.0.1", "tcp", read_wait=read_wait)
+    engine = MooncakeTransport("127.0.0.1", "tcp", read_wait=read_wait)
     assert engine.read_wait == read_wait
     dest = np.zeros(SOURCE_BYTES, dtype=np.uint8)
     engine.register([MemoryRange(dest.ctypes.data, dest.nbytes)])
@@ -74,7 +75,7 @@ def test_scattered_reads_land_exactly(peer, read_wait) -> None:
 @pytest.mark.parametrize("read_wait", ["poll", "sync"])
 def test_unregistered_remote_memory_is_a_transfer_error(peer, read_wait) -> None:
     session, base = peer
-    engine = MooncakeEngine("127.0.0.1", "tcp", read_wait=read_wait)
+    engine = MooncakeTransport("127.0.0.1", "tcp", read_wait=read_wait)
     dest = np.zeros(1 << 16, dtype=np.uint8)
     engine.register([MemoryRange(dest.ctypes.data, dest.nbytes)])
     beyond = base + SOURCE_BYTES + (1 << 20)
@@ -87,4 +88,4 @@ def test_unregistered_remote_memory_is_a_transfer_error(peer, read_wait) -> None
 
 def test_unknown_read_wait_is_refused() -> None:
     with pytest.raises(Exception, match="read_wait"):
-        MooncakeEngine("127.0.0.1", "tcp", read_wait="spin")
+        MooncakeTransport("127.0.0.1", "tcp", read_wait="spin")

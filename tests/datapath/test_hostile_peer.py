@@ -15,11 +15,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.sender import PrefillSender, SendTracker
-from vllm_ascend_mooncake.side_channel import PeerRefused, SideChannelClient
-from vllm_ascend_mooncake.topology import TransferTopology
-from vllm_ascend_mooncake.wire import (
+from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
+from vllm_ascend_mooncake.datapath.side_channel import PeerRefused, SideChannelClient
+from vllm_ascend_mooncake.datapath.wire import (
     PROTOCOL_VERSION,
     Ack,
     ClaimRead,
@@ -29,6 +28,7 @@ from vllm_ascend_mooncake.wire import (
     ReadDone,
     WorkerMetadata,
 )
+from vllm_ascend_mooncake.launch.ports import free_port_range
 
 INCARNATION = "prefill-incarnation"
 READER = "decode-worker-incarnation"
@@ -49,7 +49,7 @@ class Prefill:
             dp_rank=0,
             dp_size=1,
             pp_size=1,
-            te_session="127.0.0.1:1",
+            transport_session="127.0.0.1:1",
             identity=ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False),
             regions=[],
         )

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from vllm_ascend_mooncake.datapath.notifier import ReadDoneNotifier
+from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient, SideChannelServer
+from vllm_ascend_mooncake.datapath.wire import Ack, ErrorReply, ReadDone
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.notifier import ReadDoneNotifier
-from vllm_ascend_mooncake.side_channel import SideChannelClient, SideChannelServer
-from vllm_ascend_mooncake.wire import Ack, ErrorReply, ReadDone
 
 CLIENT_TIMEOUT_S = 0.3
 

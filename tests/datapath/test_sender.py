@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from vllm_ascend_mooncake import sender
-from vllm_ascend_mooncake.sender import MAX_HOLD_TIMEOUTS, SendTracker
-from vllm_ascend_mooncake.topology import TransferTopology, request_seed
+from vllm_ascend_mooncake.core.topology import TransferTopology, request_seed
+from vllm_ascend_mooncake.datapath import sender
+from vllm_ascend_mooncake.datapath.sender import MAX_HOLD_TIMEOUTS, SendTracker
 
 
 class Clock:

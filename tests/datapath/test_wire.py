@@ -12,17 +12,17 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.side_channel import (
+from vllm_ascend_mooncake.datapath.side_channel import (
     Park,
     PeerRefused,
     SideChannelClient,
     SideChannelServer,
 )
-from vllm_ascend_mooncake.wire import (
+from vllm_ascend_mooncake.datapath.wire import (
     MAX_ID_CHARS,
     MAX_MESSAGE_BYTES,
     MAX_TEXT_CHARS,
+    PROTOCOL_VERSION,
     Ack,
     ClaimRead,
     ClaimReply,
@@ -33,6 +33,7 @@ from vllm_ascend_mooncake.wire import (
     decode,
     encode,
 )
+from vllm_ascend_mooncake.launch.ports import free_port_range
 
 
 @pytest.mark.parametrize(
@@ -170,7 +171,9 @@ def test_a_hostile_peer_is_bounded_and_the_server_keeps_serving() -> None:
     raw.connect(f"tcp://127.0.0.1:{port}")
 
     def refused(body: dict) -> bytes:
-        raw.send_multipart([b"", msgspec.msgpack.encode({"version": 2, "body": body})])
+        raw.send_multipart(
+            [b"", msgspec.msgpack.encode({"version": PROTOCOL_VERSION, "body": body})]
+        )
         assert raw.poll(5000), "no answer to a malformed message"
         return raw.recv_multipart()[1]
 

@@ -20,11 +20,11 @@ import httpx
 import pytest
 from pd_checks import settled_totals
 
-from vllm_ascend_mooncake.config import SECRET_ENV
+from vllm_ascend_mooncake.connector.config import SECRET_ENV
+from vllm_ascend_mooncake.connector.params import release_target
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.params import release_target
 
 pytestmark = pytest.mark.engine
 

@@ -21,8 +21,8 @@ import pytest
 from fake_vllm import OMIT, FakeVllm
 from loopback_server import StartProxy, refusing_port, serve_on_loopback
 
+from vllm_ascend_mooncake.connector.params import MAX_TRANSFER_ID_CHARS
 from vllm_ascend_mooncake.launch.ports import free_port
-from vllm_ascend_mooncake.params import MAX_TRANSFER_ID_CHARS
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import main

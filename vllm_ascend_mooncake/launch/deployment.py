@@ -21,16 +21,22 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..config import CONNECTOR_NAME
+from ..connector.config import CONNECTOR_NAME
 from .ports import free_port, free_port_range
-from .servers import ServerError, VllmServer, process_group_members, stop_process_group
+from .servers import (
+    ServerError,
+    VllmServer,
+    process_group_members,
+    start_helper,
+    start_servers,
+    stop_all,
+)
 
 _METRICS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
 
@@ -209,10 +215,7 @@ class LocalDeployment:
     def start(self, timeout_s: float = 600.0) -> float:
         """Start everything: both instances until they answer `/health`, then the proxy."""
         started = time.monotonic()
-        self.prefill.start()
-        self.decode.start()
-        self.prefill.wait_ready(timeout_s)
-        self.decode.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
+        start_servers((self.prefill, self.decode), timeout_s)
         self._proxy = self._start_proxy(self.proxy_port, self.proxy_log, self.spec.proxy_args)
         return time.monotonic() - started
 
@@ -231,48 +234,35 @@ class LocalDeployment:
         its own liveness: the instances were waited for already, and a fault test may start a
         proxy in front of one that is down)."""
         host = self.proxy_host
-        with log_path.open("wb") as log:
-            proxy = subprocess.Popen(
-                [
-                    *host.command_prefix,
-                    sys.executable,
-                    "-m",
-                    "vllm_ascend_mooncake.proxy",
-                    "--host",
-                    host.address,
-                    "--port",
-                    str(port),
-                    "--prefill",
-                    self.prefill.base_url,
-                    "--decode",
-                    self.decode.base_url,
-                    *proxy_args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 60
-        while not _http_ok(f"http://{host.address}:{port}/health"):
-            if proxy.poll() is not None or time.monotonic() > deadline:
-                stop_process_group(proxy)
-                raise ServerError(f"proxy did not start; log:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-        return proxy
+        return start_helper(
+            [
+                *host.command_prefix,
+                sys.executable,
+                "-m",
+                "vllm_ascend_mooncake.proxy",
+                "--host",
+                host.address,
+                "--port",
+                str(port),
+                "--prefill",
+                self.prefill.base_url,
+                "--decode",
+                self.decode.base_url,
+                *proxy_args,
+            ],
+            log_path,
+            f"http://{host.address}:{port}/health",
+        )
 
     def stop(self) -> None:
-        for proxy in (self._proxy, *self._extra_proxies):
-            if proxy is not None:
-                stop_process_group(proxy)
-        errors = []
-        for server in (self.decode, self.prefill):
-            try:
-                server.stop()
-            except ServerError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise ServerError("; ".join(errors))
+        """Stop the proxies, then decode and prefill (each by process group)."""
+        stop_all((self._proxy, *self._extra_proxies), (self.decode, self.prefill))
+
+    def process_groups(self) -> list[int]:
+        """Process-group ids of the instances and of the proxies started (each runs in a
+        session of its own), e.g. to account for their CPU."""
+        proxies = [p.pid for p in (self._proxy, *self._extra_proxies) if p is not None]
+        return [self.prefill.pid, self.decode.pid, *proxies]
 
     def transfer_metrics(self) -> str | None:
         """The last "KV Transfer metrics" line the decode instance logged (pulls happen there)."""
@@ -334,14 +324,6 @@ def _metric_sum(text: str, name: str) -> int:
     if not values:
         raise ServerError(f"{name} is not exported: is the connector loaded?")
     return round(sum(values))
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-from ..busy_wait import BUSY_WAIT_ENV
+from ..connector.busy_wait import BUSY_WAIT_ENV
 
 #: GiB of KV cache a CPU engine reserves when the caller does not say; vLLM's own default (4 GiB
 #: when unset) is too much for several engines side by side on a small machine.

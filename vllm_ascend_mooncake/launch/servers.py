@@ -23,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -83,6 +83,78 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+
+
+def http_ok(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether ``GET url`` answers 200 (a ``/health`` probe); False on any connection error."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_helper(
+    command: Sequence[str],
+    log_path: Path,
+    health_url: str,
+    *,
+    timeout_s: float = 60.0,
+    cwd: str | os.PathLike[str] | None = None,
+    what: str = "proxy",
+) -> subprocess.Popen[bytes]:
+    """Start a helper process (a proxy) in a session of its own, its output in ``log_path``, and
+    return it once ``health_url`` answers. If it exits or ``timeout_s`` passes first, its process
+    group is stopped and :class:`ServerError` raised with the end of its log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout_s
+    while not http_ok(health_url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process_group(process)
+            raise ServerError(f"{what} did not start; log:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.3)
+    return process
+
+
+def start_servers(servers: Sequence[VllmServer], timeout_s: float) -> float:
+    """Start ``servers`` at once (their start-ups overlap) and wait until each answers
+    ``/health``, all within ``timeout_s``; return the seconds taken."""
+    started = time.monotonic()
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
+    return time.monotonic() - started
+
+
+def stop_all(
+    helpers: Iterable[subprocess.Popen[bytes] | None], servers: Iterable[VllmServer]
+) -> None:
+    """Stop the helper processes (proxies) by process group, then every server in the given
+    order, whatever fails on the way; raise one :class:`ServerError` naming every server that
+    did not stop. Safe after a failed or partial start."""
+    try:
+        for helper in helpers:
+            if helper is not None:
+                stop_process_group(helper)
+    finally:
+        errors = []
+        for server in servers:
+            try:
+                server.stop()
+            except ServerError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise ServerError("; ".join(errors))
 
 
 class VllmServer:
@@ -221,11 +293,7 @@ class VllmServer:
             time.sleep(_POLL_INTERVAL_S)
 
     def _health_ok(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(f"{self.base_url}/health")
 
     def stop(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
         """Stop every process of the server's group: SIGTERM, then SIGKILL after ``grace_s``.

@@ -34,7 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..params import MAX_TRANSFER_ID_CHARS
+from ..connector.params import MAX_TRANSFER_ID_CHARS
 from .balancer import Balancer, EjectionPolicy, Upstream
 from .errors import (
     CONNECTION_FAILURES,

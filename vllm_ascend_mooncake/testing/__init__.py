@@ -1,5 +1,6 @@
 """Test fixtures shared by the test suite and the benchmarks: the data-path harness, the reference
-model of which KV heads live where, and the emulated two-host network. Nothing outside tests and
+model of which KV heads live where, the emulated two-host network, and the fake vLLM requests
+that drive the connector's scheduler side (``scheduler_fakes``). Nothing outside tests and
 benchmarks imports them (what the demo and the launchers need lives in :mod:`..launch`).
 
 They live in the package (not under ``tests/``) so that benchmarks can use them from an installed

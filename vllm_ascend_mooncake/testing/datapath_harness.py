@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..topology import TransferTopology
+from ..core.topology import TransferTopology
 from .kv_reference import ReferenceKV, owned_heads
 
 LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla")
@@ -118,9 +118,9 @@ class PullOutcome:
 
 class _WorkerState:
     def __init__(self, read_wait: str | None = None) -> None:
-        from ..engine import MooncakeEngine
+        from ..datapath.mooncake import MooncakeTransport
 
-        self.engine = MooncakeEngine("127.0.0.1", "tcp", read_wait=read_wait)
+        self.transport = MooncakeTransport("127.0.0.1", "tcp", read_wait=read_wait)
         self.case: CaseSpec | None = None
         self.rank = -1
         self.tensors: list = []
@@ -136,7 +136,7 @@ class _WorkerState:
     def _allocate(self, case: CaseSpec, heads: int, num_blocks: int, fill_value: int | None):
         import torch
 
-        from ..registration import regions_from_split_caches, regions_from_vllm_views
+        from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 
         dtype = {2: torch.float16, 4: torch.float32, 1: torch.int8}[case.element_size]
         n, c = case.block_size, case.head_token_bytes // case.element_size
@@ -188,19 +188,18 @@ class _WorkerState:
                 return array, base - start
         raise AssertionError(f"region {index} not in any buffer")
 
-    def _metadata(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int):
-        from ..wire import ModelIdentity, RegionInfo, WorkerMetadata
+    def _identity(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int):
+        from ..connector.wiring import WorkerIdentity
+        from ..datapath.wire import ModelIdentity
 
-        return WorkerMetadata(
+        return WorkerIdentity(
             engine_id=f"{case.name}-{role}",
             incarnation=uuid.uuid4().hex,
             tp_rank=tp_rank,
             tp_size=tp_size,
             dp_rank=0,
             dp_size=1,
-            pp_size=1,
-            te_session=self.engine.session,
-            identity=ModelIdentity(
+            model=ModelIdentity(
                 model="reference",
                 dtype=f"e{case.element_size}",
                 kv_cache_dtype="auto",
@@ -210,18 +209,12 @@ class _WorkerState:
                 num_layers=case.num_layers,
                 is_mla=case.is_mla,
             ),
-            regions=[RegionInfo.of(r) for r in self.regions],
         )
-
-    def _register(self) -> None:
-        from ..registration import storage_ranges
-
-        self.engine.register(storage_ranges(self.tensors))
 
     # -- commands -------------------------------------------------------------------------
 
     def setup_prefill(self, case: CaseSpec, rank: int) -> str:
-        from ..sender import PrefillSender, SendTracker
+        from ..connector.wiring import KVCacheMemory, PrefillSettings, build_prefill_side
 
         self.case, self.rank = case, rank
         topo = case.topology()
@@ -240,12 +233,16 @@ class _WorkerState:
                 ((b, b) for b in range(case.prefill_blocks)),
                 first_region=index,
             )
-        self._register()
-        tracker = SendTracker(topo, rank, case.release_timeout_s)
-        metadata = self._metadata(case, "prefill", rank, case.prefill_tp)
-        self.sender = PrefillSender(metadata, tracker, "127.0.0.1", case.base_port + rank)
+        side = build_prefill_side(
+            self._identity(case, "prefill", rank, case.prefill_tp),
+            topo,
+            self.transport,
+            KVCacheMemory(self.tensors, self.regions),
+            PrefillSettings("127.0.0.1", case.base_port + rank, case.release_timeout_s),
+        )
+        self.sender = side.sender
         self.finished_counts = {}
-        return self.engine.session
+        return self.transport.session
 
     def hold(self, requests: list[RequestSpec]) -> None:
         """Prefill is done with these requests: hold their blocks for decode's reads."""
@@ -275,12 +272,15 @@ class _WorkerState:
         return {"counts": dict(self.finished_counts), "expired": self.sender.tracker.num_expired}
 
     def setup_decode(self, case: CaseSpec, rank: int) -> str:
-        from ..peers import PeerDirectory
-        from ..plan import StagingArea
-        from ..receiver import Receiver, ReceiverOptions, StagingPool
-        from ..registration import storage_ranges
-        from ..relayout import LocalMemory
-        from ..side_channel import SideChannelClient
+        import torch
+
+        from ..connector.wiring import (
+            DecodeSettings,
+            KVCacheMemory,
+            build_decode_side,
+        )
+        from ..datapath.receiver import ReceiverOptions
+        from ..datapath.registration import storage_ranges
 
         self.case, self.rank = case, rank
         topo = case.topology()
@@ -288,37 +288,30 @@ class _WorkerState:
         self.tensors, self.regions, self.memory_arrays = self._allocate(
             case, len(heads), case.decode_blocks, None
         )
-        import torch
-
-        staging_tensor = torch.zeros(case.staging_bytes, dtype=torch.uint8)
-        self.staging_tensor = staging_tensor
         self.ceiling_tensor = torch.zeros(max(case.ceiling_bytes, 1), dtype=torch.uint8)
-        self.engine.register(
-            storage_ranges(self.tensors) + storage_ranges([staging_tensor, self.ceiling_tensor])
-        )
+        self.transport.register(storage_ranges([self.ceiling_tensor]))
         self.snapshot = [a.copy() for a in self.memory_arrays] if case.verify else []
-        self.client = SideChannelClient(timeout_s=10)
-        peers = PeerDirectory(
-            self.client, self._metadata(case, "decode", rank, case.decode_tp), topo
-        )
-        self.peers = peers
-        self.receiver = Receiver(
-            self.engine,
+        # The production wiring, with sizes in bytes (the keys' KiB and MiB cannot express the
+        # few-hundred-byte descriptors and staging buffers some cases use).
+        side = build_decode_side(
+            self._identity(case, "decode", rank, case.decode_tp),
             topo,
-            rank,
-            self.regions,
-            LocalMemory.from_tensors([*self.tensors, staging_tensor]),
-            peers,
-            self.client,
-            ReceiverOptions(
-                max_descriptors_per_batch=case.max_descriptors_per_batch,
-                coalesce_runs=case.coalesce_runs,
-                block_reads_from_bytes=case.block_reads_from_bytes,
-                max_descriptor_bytes=case.max_descriptor_bytes,
+            self.transport,
+            KVCacheMemory(self.tensors, self.regions),
+            DecodeSettings(
+                receiver=ReceiverOptions(
+                    max_descriptors_per_batch=case.max_descriptors_per_batch,
+                    coalesce_runs=case.coalesce_runs,
+                    block_reads_from_bytes=case.block_reads_from_bytes,
+                    max_descriptor_bytes=case.max_descriptor_bytes,
+                ),
+                staging_bytes=case.staging_bytes,
             ),
-            StagingPool([StagingArea(staging_tensor.data_ptr(), case.staging_bytes)]),
         )
-        return self.engine.session
+        self.decode_side = side
+        self.client, self.receiver = side.client, side.receiver
+        self.peers = side.peers
+        return self.transport.session
 
     def pull(
         self,
@@ -328,14 +321,14 @@ class _WorkerState:
     ) -> PullOutcome:
         """Pull ``requests`` and wait for every report; ``cancel_after_s`` (request id -> delay)
         cancels requests as vLLM does for one aborted while its KV loads."""
-        from ..pull import PullRequest
+        from ..datapath.orders import PullOrder
 
         case = self.case
         outcome = PullOutcome()
         started = time.perf_counter()
         for spec in requests:
             self.receiver.submit(
-                PullRequest(
+                PullOrder(
                     request_id=spec.request_id,
                     transfer_id=spec.transfer_id,
                     local_block_ids=spec.local_block_ids,
@@ -392,10 +385,10 @@ class _WorkerState:
         jobs = []
         local = self.ceiling_tensor.data_ptr()
         for rank, total in sorted(bytes_per_rank.items()):
-            meta = self.peers.get("127.0.0.1", case.base_port + rank)
+            peer = self.peers.get("127.0.0.1", case.base_port + rank)
             local_addrs, remote_addrs, lengths = [], [], []
             left = total
-            for region in meta.to_regions():
+            for region in peer.regions:
                 offset = 0
                 while left and offset < region.layout.span_bytes:
                     size = min(chunk, left, region.layout.span_bytes - offset)
@@ -405,7 +398,7 @@ class _WorkerState:
                     local, offset, left = local + size, offset + size, left - size
             if left:
                 raise ValueError(f"prefill rank {rank} registers fewer than {total} bytes")
-            jobs.append((meta.te_session, local_addrs, remote_addrs, lengths))
+            jobs.append((peer.transport_session, local_addrs, remote_addrs, lengths))
         if local - self.ceiling_tensor.data_ptr() > self.ceiling_tensor.numel():
             raise ValueError("ceiling buffer too small")
         cap = case.max_descriptors_per_batch
@@ -413,7 +406,7 @@ class _WorkerState:
         def read(job) -> None:
             session, la, ra, ln = job
             for i in range(0, len(ln), cap):
-                self.engine.read(session, la[i : i + cap], ra[i : i + cap], ln[i : i + cap])
+                self.transport.read(session, la[i : i + cap], ra[i : i + cap], ln[i : i + cap])
 
         started = time.perf_counter()
         with ThreadPoolExecutor(len(jobs)) as pool:
@@ -453,7 +446,7 @@ class _WorkerState:
             self.receiver.shutdown()
         if self.client is not None:
             self.client.close()
-        self.engine.close()
+        self.transport.close()
         self.sender = self.receiver = self.client = None
         self.tensors, self.memory_arrays = [], []
 

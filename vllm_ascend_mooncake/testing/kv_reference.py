@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import BlockOrder, Region, RegionLayout
-from ..plan import RequestPlan, RowCopies, SwapAxes, TransferBatch
+from ..core.layout import BlockOrder, Region, RegionLayout
+from ..core.plan import RequestPlan, RowCopies, SwapAxes, TransferBatch
 
 
 def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> list[int]:

@@ -1,0 +1,209 @@
+"""Transfer benchmark: our pulls vs the transport's ceiling, real Mooncake (TCP) between processes.
+
+Request shape (default): 32 layers, 8 KV heads, head_dim 128, bf16, 4,096 tokens, block size 128.
+For each prefill->decode TP pair and layout, separate prefill and decode worker processes hold the
+KV cache as the engines lay it out; a decode rank pulls one request and the time from its first
+read to KV ready (fix-up included) is compared with the transport's ceiling measured in the same
+run: the same bytes, from the same prefill ranks, read as plain 1 MiB descriptors.
+
+    python -m benchmarks.micro.bench_transfer [--json results.json] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+
+from benchmarks.common import (
+    add_json_arg,
+    add_repeats_arg,
+    add_request_shape_args,
+    make_parser,
+    write_json,
+)
+from vllm_ascend_mooncake.core.topology import request_seed
+from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.datapath_harness import (
+    CaseSpec,
+    RequestSpec,
+    WorkerProcess,
+)
+
+TARGETS = {"homogeneous": 0.95, "heterogeneous": 0.85}
+
+
+@dataclass
+class Result:
+    layout: str
+    prefill_tp: int
+    decode_tp: int
+    table: str
+    mib_per_decode_rank: float
+    descriptors: int
+    ours_s: float
+    fixup_s: float
+    ceiling_s: float
+    ratio: float
+    target: float
+    meets_target: bool
+
+
+def layout_label(layout: str) -> str:
+    return {"vllm_head_major": "head-major (LBHNC)", "split_kv": "token-major K/V"}[layout]
+
+
+def run_case(workers, case: CaseSpec, repeats: int, table: str) -> Result:
+    prefill, decode = workers
+    blocks = case.prefill_blocks - 2
+    local_ids = (
+        tuple(range(blocks))
+        if table == "contiguous"
+        else tuple(b for i in range(0, blocks, 4) for b in range(i * 2, i * 2 + 4))[:blocks]
+    )
+    for rank in range(case.prefill_tp):
+        prefill[rank].call("setup_prefill", case, rank, timeout_s=600)
+    for rank in range(case.decode_tp):
+        decode[rank].call("setup_decode", case, rank, timeout_s=600)
+    try:
+        ours, fixups, ceiling, descriptors, per_rank_bytes = [], [], [], 0, 0
+        for _ in range(repeats):
+            request = RequestSpec(
+                request_id=uuid.uuid4().hex,
+                transfer_id=uuid.uuid4().hex,
+                local_block_ids=local_ids,
+                remote_block_ids=tuple(range(blocks)),
+            )
+            for rank in range(case.prefill_tp):
+                prefill[rank].call("hold", [request])
+            for rank in range(case.decode_tp):
+                decode[rank].send("pull", [request], 600.0)
+            outcomes = [decode[rank].receive(900) for rank in range(case.decode_tp)]
+            for outcome in outcomes:
+                if outcome.failed:
+                    raise RuntimeError(f"pull failed: {outcome.failed}")
+            for rank in range(case.prefill_tp):
+                prefill[rank].call("collect_finished", [request.transfer_id], 60.0)
+            ours.append(max(o.ready_seconds for o in outcomes))
+            fixups.append(max(o.fixup_seconds for o in outcomes))
+            descriptors = outcomes[0].descriptors
+            per_rank_bytes = outcomes[0].bytes_moved
+            topology = case.topology()
+            for rank in range(case.decode_tp):
+                pulls = topology.pulls_for(rank, request_seed(request.transfer_id))
+                share = {p.prefill_rank: outcomes[rank].bytes_moved // len(pulls) for p in pulls}
+                decode[rank].send("ceiling_read", share)
+            ceiling.append(max(decode[rank].receive(900) for rank in range(case.decode_tp)))
+    finally:
+        for rank in range(case.prefill_tp):
+            prefill[rank].call("teardown")
+        for rank in range(case.decode_tp):
+            decode[rank].call("teardown")
+    ours_s, ceiling_s = statistics.median(ours), statistics.median(ceiling)
+    kind = "homogeneous" if case.prefill_tp == case.decode_tp else "heterogeneous"
+    ratio = ceiling_s / ours_s
+    return Result(
+        layout=layout_label(case.layout),
+        prefill_tp=case.prefill_tp,
+        decode_tp=case.decode_tp,
+        table=table,
+        mib_per_decode_rank=per_rank_bytes / 2**20,
+        descriptors=descriptors,
+        ours_s=ours_s,
+        fixup_s=statistics.median(fixups),
+        ceiling_s=ceiling_s,
+        ratio=ratio,
+        target=TARGETS[kind],
+        meets_target=ratio >= TARGETS[kind],
+    )
+
+
+def main() -> int:
+    parser = make_parser("benchmarks.micro.bench_transfer", __doc__)
+    add_request_shape_args(parser)
+    add_repeats_arg(parser, 3, "median of")
+    parser.add_argument("--pairs", default="1-1,2-1,4-1,1-2", help="prefill-decode TP pairs")
+    parser.add_argument("--layouts", default="vllm_head_major,split_kv", help="KV cache layouts")
+    parser.add_argument("--table", choices=("contiguous", "fragmented"), default="contiguous")
+    parser.add_argument("--no-coalesce", action="store_true", help="disable run-level coalescing")
+    parser.add_argument(
+        "--read-wait",
+        choices=("poll", "sync"),
+        default="poll",
+        help="how decode's reads (ours and the ceiling's) wait for Mooncake",
+    )
+    parser.add_argument(
+        "--block-reads-from-kib",
+        type=int,
+        default=256,
+        help="head-major merges read per block from this prefill block size (the TCP default)",
+    )
+    parser.add_argument(
+        "--max-descriptor-kib",
+        type=int,
+        default=1024,
+        help="split descriptors above this size (0: never)",
+    )
+    add_json_arg(parser)
+    args = parser.parse_args()
+
+    pairs = [tuple(int(x) for x in pair.split("-")) for pair in args.pairs.split(",")]
+    blocks = args.tokens // args.block_size + 2
+    print(
+        f"request: {args.layers} layers, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+        f"bf16, {args.tokens} tokens, block {args.block_size} ({args.table} block table); "
+        f"Mooncake TCP over loopback, reads wait by {args.read_wait}; median of {args.repeats}",
+        flush=True,
+    )
+    workers = (
+        [WorkerProcess() for _ in range(max(p for p, _ in pairs))],
+        [WorkerProcess(read_wait=args.read_wait) for _ in range(max(d for _, d in pairs))],
+    )
+    results = []
+    try:
+        for layout in args.layouts.split(","):
+            for prefill_tp, decode_tp in pairs:
+                full = args.layers * args.tokens * args.kv_heads * 2 * args.head_dim * 2
+                case = CaseSpec(
+                    name=f"bench-{layout}-{prefill_tp}-{decode_tp}",
+                    heads=args.kv_heads,
+                    prefill_tp=prefill_tp,
+                    decode_tp=decode_tp,
+                    layout=layout,
+                    num_layers=args.layers,
+                    block_size=args.block_size,
+                    head_size=args.head_dim,
+                    element_size=2,
+                    prefill_blocks=blocks if args.table == "contiguous" else 2 * blocks,
+                    decode_blocks=blocks if args.table == "contiguous" else 2 * blocks,
+                    base_port=free_port_range(prefill_tp),
+                    release_timeout_s=600,
+                    coalesce_runs=not args.no_coalesce,
+                    block_reads_from_bytes=args.block_reads_from_kib * 1024,
+                    max_descriptor_bytes=args.max_descriptor_kib << 10,
+                    staging_bytes=64 << 20,
+                    verify=False,
+                    ceiling_bytes=full + (64 << 20),  # staged slices read whole blocks
+                )
+                result = run_case(workers, case, args.repeats, args.table)
+                results.append(result)
+                print(
+                    f"{result.layout:20} Tp{prefill_tp}->Td{decode_tp}: "
+                    f"{result.mib_per_decode_rank:7.1f} MiB/rank, {result.descriptors:5d} desc, "
+                    f"ours {result.ours_s * 1e3:7.1f} ms (fix-up {result.fixup_s * 1e3:5.1f}), "
+                    f"ceiling {result.ceiling_s * 1e3:7.1f} ms,"
+                    f" ratio {result.ratio:.2f} (target {result.target:.2f}"
+                    f"{'' if result.meets_target else ', MISSED'})",
+                    flush=True,
+                )
+    finally:
+        for worker in workers[0] + workers[1]:
+            worker.close()
+    if args.json:
+        write_json(args.json, [asdict(r) for r in results])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Every key of ``kv_connector_extra_config``, declared once: type, default, unit, bound and
+meaning. :func:`~.config.parse_config` checks given values against these declarations, and
+docs/configuration.md's key table is generated from them (``python scripts/config_table.py
+--write``; ``tests/connector/test_config_docs.py`` fails while the docs differ)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..datapath.transport import TRANSPORTS
+from ..defaults import (
+    DEFAULT_CLAIM_PARK_S,
+    DEFAULT_CLAIM_WAIT_S,
+    DEFAULT_COALESCE_RUNS,
+    DEFAULT_DEVICE_NAME,
+    DEFAULT_IDLE_STEP_WAIT_MS,
+    DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+    DEFAULT_PREFILL_WAIT_S,
+    DEFAULT_PROTOCOLS,
+    DEFAULT_READ_RETRIES,
+    DEFAULT_RECEIVER_THREADS,
+    DEFAULT_RELEASE_TIMEOUT_S,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
+    DEFAULT_STAGING_BUFFER_MIB,
+    DEFAULT_TRANSPORT,
+    FALLBACK_PROTOCOL,
+    PROTOCOLS,
+    READ_WAITS,
+    default_block_reads_from_kib,
+    default_max_descriptor_kib,
+    default_read_wait,
+)
+from .migration import VLLM_DEFAULT_KV_PORT, ConnectorConfigError
+
+#: Where the side-channel secret is read from when kv_connector_extra_config does not set it
+#: (an environment variable keeps it out of command lines and process listings).
+SECRET_ENV = "VAM_SIDE_CHANNEL_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a key accepts beyond its type."""
+
+    #: what a refusal says the value must be (``... must be > 0, got 0``), and the docs show
+    text: str
+    ok: Callable[[Any], bool]
+    #: how the docs show it, if not as ``text``
+    markdown: str = ""
+    #: the refusal, if not ``{where} must be {text}, got {value!r}`` (a format string)
+    refusal: str = ""
+
+    def refuse(self, where: str, value: Any) -> ConnectorConfigError:
+        if self.refusal:
+            return ConnectorConfigError(self.refusal.format(where=where, value=value))
+        return ConnectorConfigError(f"{where} must be {self.text}, got {value!r}")
+
+
+POSITIVE = Bound("> 0", lambda value: value > 0)
+NON_NEGATIVE = Bound(">= 0", lambda value: value >= 0)
+PORT = Bound("a port number, 1 to 65535", lambda value: 1 <= value <= 65535, "1 to 65535")
+
+
+def one_of(values: tuple[str, ...], refusal: str = "") -> Bound:
+    """One of ``values`` (refused as ``refusal`` says, if given)."""
+    return Bound(
+        f"one of {', '.join(values)}",
+        lambda value: value in values,
+        ", ".join(f"`{value}`" for value in values),
+        refusal,
+    )
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A default that is not one value: computed when the configuration is parsed."""
+
+    #: how the docs show it
+    markdown: str
+    #: the default as a function of the protocol; None: :func:`parse_config` computes it
+    of_protocol: Callable[[str], Any] | None = None
+
+
+def _literal(value: Any) -> str:
+    """A value as the docs write it: ``120`` for 120.0, ``true``, ``""``."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    elif value == "":
+        text = '""'
+    else:
+        text = str(value)
+    return f"`{text}`"
+
+
+def by_protocol(of_protocol: Callable[[str], Any]) -> Computed:
+    """A default that is one value over tcp and another on every other transport."""
+    return Computed(
+        f"{_literal(of_protocol('tcp'))} with `tcp`, else {_literal(of_protocol('rdma'))}",
+        of_protocol,
+    )
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of ``kv_connector_extra_config``: how it is checked, and how the docs show it."""
+
+    name: str
+    type: type
+    #: the value when the key is not set: a plain value, or :class:`Computed`
+    default: Any
+    #: one line: what the key sets (the first sentence of its row in the docs)
+    summary: str
+    #: the rest of its row in the docs
+    details: str = ""
+    unit: str = ""
+    #: checked on every given value by :func:`parse_config` (with the type)
+    bound: Bound | None = None
+    #: given values that mean "the default" (kept: earlier versions accepted them)
+    as_default: Bound | None = None
+    #: checked, type included, by the key's own code in :func:`parse_config`; the docs show
+    #: ``allowed`` then
+    own_check: bool = False
+    #: the docs' type column, if not the type's name
+    type_markdown: str = ""
+    #: the docs' allowed column, if not the bound's
+    allowed: str = ""
+
+    def allowed_markdown(self) -> str:
+        text = self.allowed or (
+            (self.bound.markdown or self.bound.text) if self.bound is not None else "any"
+        )
+        if self.as_default is not None:
+            text += f" ({self.as_default.markdown or self.as_default.text}: the default)"
+        return text
+
+    def default_markdown(self) -> str:
+        if isinstance(self.default, Computed):
+            return self.default.markdown
+        return _literal(self.default)
+
+    def row(self) -> str:
+        meaning = f"{self.summary} {self.details}" if self.details else self.summary
+        cells = (
+            f"`{self.name}`",
+            self.type_markdown or self.type.__name__,
+            self.unit,
+            self.default_markdown(),
+            self.allowed_markdown(),
+            meaning,
+        )
+        return "| " + " | ".join(cells) + " |"
+
+
+_SIZES_ALLOWED = "`tp_size` and `dp_size` > 0"
+_BY_DEVICE = Computed(
+    ", ".join(f"`{protocol}` on {device.upper()}" for device, protocol in DEFAULT_PROTOCOLS.items())
+    + f", else `{FALLBACK_PROTOCOL}`"
+)
+
+#: Every key of ``kv_connector_extra_config``, in the order docs/configuration.md lists them
+#: (its table is generated from this: ``python scripts/config_table.py --write``).
+KEYS: tuple[Key, ...] = (
+    Key(
+        "prefill",
+        dict,
+        Computed("the local TP, DP 1"),
+        "sizes of the prefill instance.",
+        "Both instances must agree. The local side's values must equal the engine's own "
+        "`--tensor-parallel-size` / `--data-parallel-size`. A data-parallel prefill must "
+        "declare its `dp_size`: vLLM runs each engine of a dense model as an independent DP 1 "
+        "engine, so the connector learns the engine's rank from vLLM but the number of engines "
+        "only from here (an engine beyond `dp_size` is refused at start-up, since it would share "
+        "another's side-channel ports).",
+        own_check=True,
+        type_markdown='`{"tp_size": int, "dp_size": int}`',
+        allowed=_SIZES_ALLOWED,
+    ),
+    Key(
+        "decode",
+        dict,
+        Computed("the local TP, DP 1"),
+        "sizes of the decode instance.",
+        own_check=True,
+        type_markdown="same",
+        allowed=_SIZES_ALLOWED,
+    ),
+    Key(
+        "transport",
+        str,
+        DEFAULT_TRANSPORT,
+        "what moves the KV bytes between instances.",
+        "Only the Mooncake Transfer Engine today; the data path reaches it through one seam "
+        "(`datapath/transport.py`), where another would be added.",
+        bound=one_of(TRANSPORTS),
+    ),
+    Key(
+        "protocol",
+        str,
+        _BY_DEVICE,
+        "Mooncake transport.",
+        "With `tcp`, `MC_FORCE_TCP=1` is set unless you set it.",
+        bound=one_of(
+            PROTOCOLS,
+            "{where} {value!r} is not a Mooncake transport (" + ", ".join(PROTOCOLS) + ")",
+        ),
+    ),
+    Key(
+        "device_name",
+        str,
+        DEFAULT_DEVICE_NAME,
+        "Mooncake NIC/device list (`mlx5_0,mlx5_1`); empty = auto.",
+    ),
+    Key(
+        "side_channel_host",
+        str,
+        Computed(
+            "`$VLLM_HOST_IP`, else the host's address as vLLM picks it (`get_ip()`), else "
+            "`127.0.0.1`"
+        ),
+        "address workers listen on and advertise (the KV side channel and Mooncake).",
+        "Decode connects to the one prefill advertises; a decode instance with a network "
+        "address warns once per prefill that advertises loopback (a multi-host deployment whose "
+        "prefill kept a loopback setting).",
+    ),
+    Key(
+        "side_channel_port",
+        int,
+        DEFAULT_SIDE_CHANNEL_PORT,
+        "base port of the prefill side channel: prefill DP rank `d`, TP rank `r` listens on "
+        "`port + d*tp_size + r`.",
+        "The ports of every prefill worker must lie below 65536. Only prefill listens, so only "
+        "prefill needs it: decode has no port of its own and takes the prefill's host and base "
+        "port from the `remote_host` and `remote_port` of the `kv_transfer_params` the proxy "
+        "forwards (the base port of the prefill's DP rank), adding the prefill TP rank it reads. "
+        "On decode the value is only range-checked. vLLM's top-level "
+        "`kv_transfer_config.kv_port` (what vllm-ascend uses for this) is read as "
+        f"`side_channel_port` when it is not vLLM's default {VLLM_DEFAULT_KV_PORT}, with a "
+        "warning; both set to different values is an error. Keep the range clear of Mooncake's "
+        "TCP ports (15000\N{EN DASH}17000) and, on Ascend, of ADXL's range "
+        "(20000 + 1000·NPUs per node).",
+        bound=PORT,
+    ),
+    Key(
+        "release_timeout_s",
+        float,
+        DEFAULT_RELEASE_TIMEOUT_S,
+        "prefill releases the blocks of a request no decode rank finished reading after this long.",
+        "Read leases renew it, but a transfer is never held longer than "
+        "4 \N{MULTIPLICATION SIGN} `release_timeout_s` in all, however often it is claimed.",
+        unit="s",
+        bound=POSITIVE,
+    ),
+    Key(
+        "side_channel_timeout_s",
+        float,
+        DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
+        "timeout of one side-channel exchange (metadata fetch, read-done notification).",
+        unit="s",
+        bound=POSITIVE,
+    ),
+    Key(
+        "side_channel_secret",
+        str,
+        Computed(f"`${SECRET_ENV}`, else none"),
+        f"a secret shared by prefill and decode (at least {MIN_SECRET_CHARS} characters): every "
+        "side-channel message then carries an HMAC-SHA256 of its bytes.",
+        "A peer without the secret is refused with a log line naming the setting. Prefer the "
+        "environment variable: vLLM logs `kv_connector_extra_config` at start-up. It "
+        "authenticates, it does not encrypt.",
+        allowed=f'at least {MIN_SECRET_CHARS} characters; `""`: none',
+    ),
+    Key(
+        "claim_wait_s",
+        float,
+        DEFAULT_CLAIM_WAIT_S,
+        "before reading, decode claims a read lease from each prefill rank; a rank that has not "
+        "registered the request yet (it learns of it one engine step after answering) is asked "
+        "again for up to this long.",
+        "A rank that already released the request refuses, so a late read never sees reused "
+        "blocks. The lease lasts `release_timeout_s` and is renewed before reading when half of "
+        "it has passed; bytes read after the lease ended are discarded.",
+        unit="s",
+        bound=POSITIVE,
+    ),
+    Key(
+        "prefill_wait_s",
+        float,
+        DEFAULT_PREFILL_WAIT_S,
+        "the same wait for a request whose decode leg was sent alongside its prefill (the "
+        'proxy\'s overlapped legs): the lease is "pending" until prefill is done.',
+        f"Prefill holds a pending claim open (up to {DEFAULT_CLAIM_PARK_S:g} s, or half of "
+        "`side_channel_timeout_s`, at a time) and answers it the moment it registers the "
+        "request, so decode neither polls nor waits longer than needed. A prefill request that "
+        "is aborted refuses the lease at once.",
+        unit="s",
+        bound=POSITIVE,
+    ),
+    Key(
+        "read_retries",
+        int,
+        DEFAULT_READ_RETRIES,
+        "extra attempts, with a short backoff, for a batched read that failed (transient "
+        "transport errors).",
+        bound=NON_NEGATIVE,
+    ),
+    Key(
+        "max_descriptors_per_batch",
+        int,
+        DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+        "cap on descriptors per read call.",
+        "Mooncake's TCP transport rejects batches past about 2,000 outstanding descriptors per "
+        "peer.",
+        bound=POSITIVE,
+    ),
+    Key(
+        "max_descriptor_kib",
+        int,
+        by_protocol(default_max_descriptor_kib),
+        "split descriptors larger than this many KiB (0: never).",
+        "Mooncake's TCP transport moves ~1 MiB descriptors faster than much larger ones; RDMA "
+        "slices large ones itself. A negative value is read as the default, not refused.",
+        unit="KiB",
+        bound=NON_NEGATIVE,
+        as_default=Bound("< 0", lambda value: value < 0),
+    ),
+    Key(
+        "coalesce_runs",
+        bool,
+        DEFAULT_COALESCE_RUNS,
+        "run-level coalescing for heterogeneous TP: one descriptor per block run and pull, "
+        "followed by a local permutation.",
+        "`false` reads block by block (no permutation for head-major caches).",
+    ),
+    Key(
+        "block_reads_from_kib",
+        int,
+        by_protocol(default_block_reads_from_kib),
+        "head-major merges (prefill TP > decode TP) read block by block, with no local "
+        "permutation, when a prefill block is at least this many KiB (0: never).",
+        "Over TCP per-block reads of 256 KiB blocks beat run-level coalescing plus its "
+        "permutation, 128 KiB blocks did not (see benchmarks/README.md); smaller blocks stay "
+        "coalesced. A negative value is read as the default, not refused.",
+        unit="KiB",
+        bound=NON_NEGATIVE,
+        as_default=Bound("< 0", lambda value: value < 0),
+    ),
+    Key(
+        "receiver_threads",
+        int,
+        DEFAULT_RECEIVER_THREADS,
+        "decode threads issuing reads; different prefill peers are read in parallel, one peer "
+        "in order.",
+        bound=POSITIVE,
+    ),
+    Key(
+        "staging_buffer_mib",
+        int,
+        DEFAULT_STAGING_BUFFER_MIB,
+        "decode staging buffer, allocated only when a decode rank reads a slice of token-major "
+        "prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache).",
+        unit="MiB",
+        bound=POSITIVE,
+    ),
+    Key(
+        "read_wait",
+        str,
+        by_protocol(default_read_wait),
+        "how a read waits for Mooncake: `poll` submits one asynchronous batch per descriptor and "
+        "sleeps between status checks; `sync` is Mooncake's `batch_transfer_sync_read`, which "
+        "keeps a core spinning per read in flight (see docs/deployment.md, small CPU hosts).",
+        bound=one_of(READ_WAITS),
+        as_default=Bound('""', lambda value: value == "", '`""`'),
+    ),
+    Key(
+        "idle_step_wait_ms",
+        float,
+        DEFAULT_IDLE_STEP_WAIT_MS,
+        "in an engine step that runs no tokens (a decode request only waiting for its KV, "
+        "prefill only holding blocks for readers), how long each worker waits for a transfer to "
+        "end before the step returns; a transfer that ends wakes it at once.",
+        "Longer waits mean fewer such steps and less CPU (0.5 cores at 10 ms, 0.17 at 50 ms for "
+        "one waiting decode request on a 2-core host), but a request arriving meanwhile waits "
+        "for the step to end. Raise it (e.g. 50) where prefill and decode share cores "
+        "(docs/deployment.md).",
+        unit="ms",
+        bound=POSITIVE,
+    ),
+    Key(
+        "ascend_local_comm_res_path",
+        str,
+        Computed("none"),
+        "not read by this connector: vllm-ascend's NPU worker reads it on A5 machines (the "
+        "directory of its `ub_endpoint_npu_*.json` files) from `kv_connector_extra_config`, "
+        "whichever connector runs, so it is accepted and passed through.",
+    ),
+)
+_KEYS: dict[str, Key] = {key.name: key for key in KEYS}
+
+#: The markers around the generated key table in docs/configuration.md.
+KEY_TABLE_BEGIN = "<!-- keys:begin: generated, run python scripts/config_table.py --write -->"
+KEY_TABLE_END = "<!-- keys:end -->"
+
+
+def key_table_markdown() -> str:
+    """The key table of docs/configuration.md, one row per entry of :data:`KEYS`."""
+    header = ("key", "type", "unit", "default", "allowed", "meaning")
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *(key.row() for key in KEYS),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def with_key_table(markdown: str) -> str:
+    """``markdown`` (docs/configuration.md) with the table between the markers regenerated."""
+    before, begin, rest = markdown.partition(KEY_TABLE_BEGIN)
+    _, end, after = rest.partition(KEY_TABLE_END)
+    if not begin or not end:
+        raise ValueError(f"no {KEY_TABLE_BEGIN!r} ... {KEY_TABLE_END!r} in the markdown")
+    return f"{before}{KEY_TABLE_BEGIN}\n{key_table_markdown()}{KEY_TABLE_END}{after}"

@@ -1,0 +1,124 @@
+"""The ``kv_transfer_params`` contract between prefill, proxy and decode, validated on arrival.
+
+Prefill returns :class:`RemotePrefill` in its response; the proxy copies it into the decode
+request. The decode side never trusts it: wrong types, out-of-range values, oversized block lists
+or a mismatch with the decode's own prompt are rejected with a reason, and the request is then
+served by a local prefill instead of reading garbage.
+
+Overlapped legs: a proxy that already knows a prefill instance's address may send both legs at
+once. It gives prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode the prefill's
+address with ``remote_request_id`` T and no block ids (:data:`TRANSFER_ID_KEY`). Decode then
+admits the request at once and learns the block ids from prefill's read lease, when prefill is
+done; prefill checks the prompt length there. A prefill instance that fronts several data-parallel
+engines says which one answered (``remote_dp_rank`` of ``remote_dp_size``), so that the proxy can
+send the next request's prefill leg to the engine it names to decode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from ..datapath.wire import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
+from ..datapath.wire import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
+
+#: On a prefill request: the id the decode side will claim the prompt's KV under.
+TRANSFER_ID_KEY = "transfer_id"
+
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_TRANSFER_ID_CHARS)]
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params that cannot be acted upon."""
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """What a decode instance needs to pull a request's KV from a prefill instance."""
+
+    remote_engine_id: _Name
+    remote_request_id: _Name
+    remote_host: _Name
+    remote_port: int
+    remote_tp_size: int
+    #: None: prefill is still computing; its read lease will carry the block ids.
+    remote_block_ids: list[int] | None = None
+    remote_num_tokens: int | None = None
+    #: The prefill engine among its API server's data-parallel engines, numbered as vLLM's
+    #: ``X-data-parallel-rank`` header takes it, and how many engines that server fronts: what
+    #: lets a proxy pin a request to the engine whose address it sends decode.
+    remote_dp_rank: int = 0
+    remote_dp_size: int = 1
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def transfer_id_of(params: dict[str, Any], default: str) -> str:
+    """The id a prefill request's KV is claimed under: the proxy's ``transfer_id``, if valid."""
+    transfer_id = params.get(TRANSFER_ID_KEY)
+    if isinstance(transfer_id, str) and 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
+        return transfer_id
+    return default
+
+
+def parse_remote_prefill(
+    params: dict[str, Any], *, prefill_tp: int, block_size: int, num_prompt_tokens: int
+) -> RemotePrefill:
+    """Validate decode-side params against this deployment and the request's own prompt."""
+    try:
+        parsed = msgspec.convert(params, RemotePrefill, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidTransferParams(f"malformed kv_transfer_params: {exc}") from exc
+    if not 0 < parsed.remote_port < 65536:
+        raise InvalidTransferParams(f"remote_port {parsed.remote_port} is not a TCP port")
+    if not parsed.remote_host or not parsed.remote_engine_id or not parsed.remote_request_id:
+        raise InvalidTransferParams(
+            "remote_host, remote_engine_id and remote_request_id are required"
+        )
+    if parsed.remote_tp_size != prefill_tp:
+        raise InvalidTransferParams(
+            f"the prefill instance runs TP {parsed.remote_tp_size} but this decode instance is "
+            f"configured for prefill TP {prefill_tp}"
+        )
+    if parsed.remote_block_ids is None:
+        return parsed  # overlapped legs: prefill checks the prompt when decode claims the read
+    if parsed.remote_num_tokens != num_prompt_tokens:
+        raise InvalidTransferParams(
+            f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
+            f"request has {num_prompt_tokens}: the prompts differ"
+        )
+    expected_blocks = -(-num_prompt_tokens // block_size)
+    blocks = parsed.remote_block_ids
+    if len(blocks) > MAX_REMOTE_BLOCKS or len(blocks) != expected_blocks:
+        raise InvalidTransferParams(
+            f"{len(blocks)} remote blocks for {num_prompt_tokens} tokens of block size "
+            f"{block_size} (expected {expected_blocks})"
+        )
+    if any(b < 0 for b in blocks):
+        raise InvalidTransferParams("negative remote block id")
+    return parsed
+
+
+class ReleaseTarget(msgspec.Struct, frozen=True):
+    """Where a prefill holds a transfer, from params too broken to pull with: enough to tell
+    that prefill nobody will read it, so it frees the blocks now instead of at its timeout."""
+
+    remote_engine_id: _Name
+    remote_request_id: _Name
+    remote_host: _Name
+    remote_port: int
+
+
+def release_target(params: dict[str, Any]) -> ReleaseTarget | None:
+    """The prefill a rejected hand-off names, if it names one well enough to be told."""
+    fields = {key: params.get(key) for key in ReleaseTarget.__struct_fields__}
+    try:
+        target = msgspec.convert(fields, ReleaseTarget, strict=True)
+    except msgspec.ValidationError:
+        return None
+    if not (0 < target.remote_port < 65536 and target.remote_host and target.remote_request_id):
+        return None
+    return target

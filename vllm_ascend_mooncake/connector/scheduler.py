@@ -1,0 +1,357 @@
+"""Scheduler side of the connector: which requests to pull or hold, and the params to hand out.
+
+Decode: a request arriving with valid ``kv_transfer_params`` loads its uncached prompt blocks
+asynchronously; the pull (decode blocks <- prefill blocks, suffix-aligned when the decode side
+already caches a prefix) goes to the workers in the next step's metadata. Prefill: a request that
+finishes its single token keeps its blocks (delayed free) until every decode rank that reads them
+reports done; its response carries the params the proxy forwards to decode.
+
+When the proxy overlaps the legs, decode admits a request before prefill has answered: it knows
+how many prompt blocks to allocate from its own prompt, and the pull learns the prefill's block ids
+from the read lease. A prefill request that was given a transfer id but ends without a hand-off
+is dropped, so the decode waiting for it is refused at once.
+
+vLLM asserts on any finished id it is not waiting for (a request it already freed, one that never
+loaded asynchronously), and such an assert kills the engine core. So this side keeps the ids it
+handed to vLLM as asynchronous loads and delayed frees, and :meth:`ConnectorScheduler.filter_output`
+drops anything else from the workers' reports with a log line. A pull with no local blocks (an
+abort before scheduling, a request that loads nothing) only releases prefill's hold and is never
+reported at all.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..datapath.orders import HoldOrder, PullOrder, StepOrders
+from ..log import get_logger
+from ..timeline import TimelineLog
+from .config import ConnectorConfig, is_loopback
+from .params import (
+    MAX_TRANSFER_ID_CHARS,
+    TRANSFER_ID_KEY,
+    InvalidTransferParams,
+    RemotePrefill,
+    parse_remote_prefill,
+    release_target,
+    transfer_id_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ConnectorScheduler:
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self._remote: dict[str, RemotePrefill] = {}
+        self._orders = StepOrders()
+        self._loading: set[str] = set()  # async loads vLLM waits for in finished_recving
+        # transfer id -> the live request that pulls it: the sequences of an n > 1 request share
+        # their params, but prefill holds one copy and frees it after the first read
+        self._pulling: dict[str, str] = {}
+        self._holding: set[str] = set()  # delayed frees vLLM waits for in finished_sending
+        # timeline stamps (wall clock) of requests in flight, dropped when they finish:
+        # prefill: request id -> when the scheduler first saw it;
+        # decode: request id -> (transfer id, {stamp name: time}) until its first decode step
+        self._first_seen: dict[str, float] = {}
+        self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
+        self._warned_loopback: set[str] = set()  # prefill engines already warned about
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        """Validated params of a decode request that should pull its prompt, else None."""
+        if request.request_id in self._remote:
+            return self._remote[request.request_id]
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        transfer_id = params.get("remote_request_id")
+        owner = self._pulling.get(transfer_id) if isinstance(transfer_id, str) else None
+        if owner is not None and owner != request.request_id:
+            logger.info(
+                "request %s: transfer %s is pulled by request %s (n > 1 shares params); "
+                "computing this one locally, from the prefix cache where it can",
+                request.request_id,
+                transfer_id,
+                owner,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        if self.config.is_producer:
+            logger.warning(
+                "request %s asks to pull KV, but this is a prefill (kv_producer) instance; "
+                "computing it locally",
+                request.request_id,
+            )
+            params["do_remote_prefill"] = False
+            return None
+        try:
+            remote = parse_remote_prefill(
+                params,
+                prefill_tp=self.config.prefill.tp_size,
+                block_size=self.config.block_size,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        except InvalidTransferParams as exc:
+            logger.warning(
+                "request %s: ignoring kv_transfer_params (%s); computing the prompt locally",
+                request.request_id,
+                exc,
+            )
+            params["do_remote_prefill"] = False
+            self._release_rejected(request)
+            return None
+        self._remote[request.request_id] = remote
+        self._pulling[remote.remote_request_id] = request.request_id
+        self._warn_if_unreachable(remote)
+        return remote
+
+    def _warn_if_unreachable(self, remote: RemotePrefill) -> None:
+        """A prefill advertising loopback to a decode that has a network address is almost
+        always a multi-host deployment whose prefill kept the default: say so once per prefill."""
+        if not is_loopback(remote.remote_host) or is_loopback(self.config.side_channel_host):
+            return
+        key = remote.remote_engine_id or remote.remote_host
+        if key in self._warned_loopback or len(self._warned_loopback) >= 64:
+            return
+        self._warned_loopback.add(key)
+        logger.warning(
+            "prefill %s advertises its KV side channel on the loopback address %s while this "
+            "decode instance advertises %s: unless both run on this host, pulls will fail. Set "
+            "VLLM_HOST_IP (or kv_connector_extra_config side_channel_host) on the prefill "
+            "instance to an address this host can reach",
+            remote.remote_engine_id,
+            remote.remote_host,
+            self.config.side_channel_host,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if self.config.is_producer:
+            params = request.kv_transfer_params
+            if params and params.get("do_remote_decode"):
+                self._first_seen.setdefault(request.request_id, time.time())
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is None:
+            return
+        params = request.kv_transfer_params
+        params["do_remote_prefill"] = False  # one transfer per request
+        local: list[int] = []
+        if num_external_tokens > 0:
+            cached_blocks = (
+                request.num_prompt_tokens - num_external_tokens
+            ) // self.config.block_size
+            prompt_blocks = _cdiv(request.num_prompt_tokens, self.config.block_size)
+            local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
+        admitted_at = time.time()
+        if local:
+            self._loading.add(request.request_id)
+            self._load_stamps[request.request_id] = (
+                remote.remote_request_id,
+                {"arrived": request.arrival_time, "admitted": admitted_at},
+            )
+        # Without local blocks vLLM loads nothing (e.g. prompt_logprobs skip external KV): the
+        # pull only releases prefill's hold and the workers never report it.
+        self._orders.pulls.append(
+            self._pull_order(
+                request, remote, local, arrived_at=request.arrival_time, admitted_at=admitted_at
+            )
+        )
+
+    def _release_rejected(self, request: Request) -> None:
+        """Params this decode will not pull with still name a prefill holding the KV: tell it
+        (a release-only pull) so it frees the blocks now, not at its ``release_timeout_s``."""
+        target = release_target(request.kv_transfer_params)
+        if target is None:
+            return
+        self._orders.pulls.append(
+            PullOrder(
+                request_id=request.request_id,
+                transfer_id=target.remote_request_id,
+                local_block_ids=(),
+                remote_block_ids=None,
+                remote_host=target.remote_host,
+                remote_port=target.remote_port,
+                remote_engine_id=target.remote_engine_id,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        )
+
+    def _pull_order(
+        self,
+        request: Request,
+        remote: RemotePrefill,
+        local: list[int],
+        arrived_at: float = 0.0,
+        admitted_at: float = 0.0,
+    ) -> PullOrder:
+        blocks = remote.remote_block_ids
+        return PullOrder(
+            request_id=request.request_id,
+            transfer_id=remote.remote_request_id,
+            local_block_ids=tuple(local),
+            remote_block_ids=None if blocks is None else tuple(blocks),
+            remote_host=remote.remote_host,
+            remote_port=remote.remote_port,
+            remote_engine_id=remote.remote_engine_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            arrived_at=arrived_at,
+            admitted_at=admitted_at,
+        )
+
+    def note_scheduled(self, new_request_ids: list[str]) -> None:
+        """Decode: requests vLLM schedules for the first time this step; a loaded one ends its
+        timeline here (its first decode step)."""
+        if not self._load_stamps:
+            return
+        now = time.time()
+        for request_id in new_request_ids:
+            entry = self._load_stamps.pop(request_id, None)
+            if entry is None:
+                continue
+            transfer_id, stamps = entry
+            stamps["first_step"] = now
+            timeline_log.emit("decode_scheduler", transfer_id, stamps, request=request_id)
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def build_step_orders(self) -> StepOrders:
+        orders, self._orders = self._orders, StepOrders()
+        return orders
+
+    def filter_output(self, output: KVConnectorOutput) -> None:
+        """Keep only the finished ids vLLM is waiting for (it asserts on any other).
+
+        Each reported id leaves the waiting set: vLLM takes every id exactly once.
+        """
+        output.finished_recving = _expected(output.finished_recving, self._loading, "loaded")
+        if output.finished_recving and self._load_stamps:
+            now = time.time()
+            for request_id in output.finished_recving:
+                entry = self._load_stamps.get(request_id)
+                if entry is not None:
+                    entry[1]["load_reported"] = now
+        output.finished_sending = _expected(output.finished_sending, self._holding, "sent")
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._load_stamps.pop(request.request_id, None)
+        scheduled_at = self._first_seen.pop(request.request_id, 0.0)
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        transfer_id = params.get("remote_request_id")
+        if isinstance(transfer_id, str) and self._pulling.get(transfer_id) == request.request_id:
+            del self._pulling[transfer_id]
+        if request.request_id in self._loading:
+            # Aborted while loading: vLLM keeps its blocks until the load is reported, so a
+            # pull still waiting for prefill should give up now rather than at prefill_wait_s.
+            self._orders.cancels.append(request.request_id)
+        if params.get("do_remote_prefill"):
+            # Finished before it was ever scheduled (aborted or rejected): an empty pull tells
+            # the prefill ranks to free their blocks now instead of at their timeout.
+            remote = self._remote.pop(request.request_id, None) or self._try_parse(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._orders.pulls.append(self._pull_order(request, remote, []))
+            else:
+                self._release_rejected(request)
+            return False, None
+        if not params.get("do_remote_decode") or not self.config.is_producer:
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        transfer_id = transfer_id_of(params, request.request_id)
+        if params.get(TRANSFER_ID_KEY, transfer_id) != transfer_id:
+            logger.warning(
+                "request %s: ignoring transfer_id %.64r (not a string of 1 to %d characters); "
+                "its KV is held under the request id, so a decode admitted under that transfer "
+                "id waits for it in vain",
+                request.request_id,
+                params[TRANSFER_ID_KEY],
+                MAX_TRANSFER_ID_CHARS,
+            )
+        prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
+        handed_off = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        if not handed_off or not prompt_blocks:  # aborted or errored: nobody will read it
+            if transfer_id != request.request_id:
+                self._orders.drops.append(transfer_id)  # a decode may already be waiting
+            return False, None
+        self._holding.add(request.request_id)
+        self._orders.holds.append(
+            HoldOrder(
+                request.request_id,
+                transfer_id,
+                tuple(prompt_blocks),
+                request.num_prompt_tokens,
+                finished_at=time.time(),
+                arrived_at=request.arrival_time,
+                scheduled_at=scheduled_at,
+            )
+        )
+        return True, RemotePrefill(
+            remote_engine_id=self.config.engine_id,
+            remote_request_id=transfer_id,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.config.side_channel_base_port(),
+            remote_block_ids=list(prompt_blocks),
+            remote_tp_size=self.config.prefill.tp_size,
+            remote_num_tokens=request.num_prompt_tokens,
+            remote_dp_rank=self.config.server_dp_rank,
+            remote_dp_size=self.config.server_dp_size,
+        ).to_dict()
+
+    def _try_parse(self, request: Request) -> RemotePrefill | None:
+        try:
+            return parse_remote_prefill(
+                request.kv_transfer_params,
+                prefill_tp=self.config.prefill.tp_size,
+                block_size=self.config.block_size,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        except InvalidTransferParams:
+            return None
+
+
+def _expected(reported: set[str] | None, waiting: set[str], what: str) -> set[str] | None:
+    """The reported ids that are in ``waiting`` (removed from it); logs the others."""
+    if not reported:
+        return reported
+    unexpected = reported - waiting
+    if unexpected:
+        logger.error(
+            "workers reported KV of %d request(s) %s that vLLM is not waiting for: %s; ignored "
+            "(a connector bug: please report it)",
+            len(unexpected),
+            what,
+            sorted(unexpected)[:8],
+        )
+    kept = reported & waiting
+    waiting -= kept
+    return kept or None

@@ -1,0 +1,192 @@
+"""Assemble a worker's data path: one function per role, used by the connector's worker and by
+the multi-process test harness alike, so that the tests exercise the wiring production runs.
+
+The configuration is mapped to the data path's settings once (:func:`prefill_settings`,
+:func:`decode_settings`: keys to bytes and seconds); :func:`build_prefill_side` and
+:func:`build_decode_side` then register the KV memory (and decode's staging buffer) with the
+transport, advertise it in the worker's metadata, and start the sender or receiver. The harness
+passes settings of its own where it needs sizes the keys cannot express (descriptors of a few
+hundred bytes), and the same builders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..core.layout import Region
+from ..core.plan import StagingArea, may_need_staging
+from ..core.relayout import LocalMemory
+from ..core.topology import TransferTopology
+from ..datapath.peers import PeerDirectory
+from ..datapath.receiver import Receiver, ReceiverOptions, StagingPool
+from ..datapath.registration import storage_ranges
+from ..datapath.sender import PrefillSender, SendTracker
+from ..datapath.side_channel import SideChannelClient
+from ..datapath.transport import Transport
+from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import ConnectorConfig
+
+
+@dataclass(frozen=True)
+class KVCacheMemory:
+    """A worker's KV cache as the data path sees it: the tensors whose storages are registered
+    with the transport, and the regions described from them, in layer order."""
+
+    tensors: list[torch.Tensor]
+    regions: list[Region]
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who a worker is, as its metadata tells peers (the transport adds its session)."""
+
+    engine_id: str
+    incarnation: str  # unique per process start: a restarted peer is never mistaken for this one
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    model: ModelIdentity
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    host: str  # where the side channel listens
+    port: int  # this rank's side-channel port
+    release_timeout_s: float
+    secret: bytes | None = None
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    receiver: ReceiverOptions = field(default_factory=ReceiverOptions)
+    staging_bytes: int = 0  # 0: no staging buffer (no pull of this topology can need one)
+    side_channel_timeout_s: float = 10.0
+    secret: bytes | None = None
+
+
+def prefill_settings(config: ConnectorConfig, tp_rank: int) -> PrefillSettings:
+    return PrefillSettings(
+        host=config.side_channel_host,
+        port=config.side_channel_base_port() + tp_rank,
+        release_timeout_s=config.release_timeout_s,
+        secret=config.side_channel_secret,
+    )
+
+
+def receiver_options(config: ConnectorConfig) -> ReceiverOptions:
+    """The receiver's options from the configuration's keys (units converted by the config)."""
+    return ReceiverOptions(
+        max_descriptors_per_batch=config.max_descriptors_per_batch,
+        coalesce_runs=config.coalesce_runs,
+        block_reads_from_bytes=config.block_reads_from_bytes,
+        max_descriptor_bytes=config.max_descriptor_bytes,
+        num_threads=config.receiver_threads,
+        claim_wait_s=config.claim_wait_s,
+        prefill_wait_s=config.prefill_wait_s,
+        claim_park_s=config.claim_park_s,
+        read_retries=config.read_retries,
+    )
+
+
+def decode_settings(config: ConnectorConfig) -> DecodeSettings:
+    staging = may_need_staging(config.topology())
+    return DecodeSettings(
+        receiver=receiver_options(config),
+        staging_bytes=config.staging_buffer_bytes if staging else 0,
+        side_channel_timeout_s=config.side_channel_timeout_s,
+        secret=config.side_channel_secret,
+    )
+
+
+def _metadata(who: WorkerIdentity, transport: Transport, regions: list[Region]) -> WorkerMetadata:
+    return WorkerMetadata(
+        engine_id=who.engine_id,
+        incarnation=who.incarnation,
+        tp_rank=who.tp_rank,
+        tp_size=who.tp_size,
+        dp_rank=who.dp_rank,
+        dp_size=who.dp_size,
+        pp_size=1,
+        transport_session=transport.session,
+        identity=who.model,
+        regions=[RegionInfo.of(r) for r in regions],
+    )
+
+
+@dataclass
+class PrefillSide:
+    sender: PrefillSender
+    metadata: WorkerMetadata
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+@dataclass
+class DecodeSide:
+    receiver: Receiver
+    client: SideChannelClient
+    peers: PeerDirectory
+    metadata: WorkerMetadata
+    #: the registered staging buffers (empty when the topology never stages)
+    staging: list[torch.Tensor] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.receiver.shutdown()
+        self.client.close()
+
+
+def build_prefill_side(
+    who: WorkerIdentity,
+    topology: TransferTopology,
+    transport: Transport,
+    memory: KVCacheMemory,
+    settings: PrefillSettings,
+) -> PrefillSide:
+    """Register the KV cache and serve it: holds, read leases and releases on the side channel."""
+    transport.register(storage_ranges(memory.tensors))
+    metadata = _metadata(who, transport, memory.regions)
+    tracker = SendTracker(topology, who.tp_rank, settings.release_timeout_s)
+    sender = PrefillSender(metadata, tracker, settings.host, settings.port, secret=settings.secret)
+    return PrefillSide(sender, metadata)
+
+
+def build_decode_side(
+    who: WorkerIdentity,
+    topology: TransferTopology,
+    transport: Transport,
+    memory: KVCacheMemory,
+    settings: DecodeSettings,
+) -> DecodeSide:
+    """Register the KV cache and a staging buffer (when pulls may need one), and start the
+    receiver that pulls requests' KV from the prefill ranks the topology names."""
+    import torch
+
+    device = memory.tensors[0].device if memory.tensors else "cpu"
+    staging = (
+        [torch.empty(settings.staging_bytes, dtype=torch.uint8, device=device)]
+        if settings.staging_bytes
+        else []
+    )
+    transport.register(storage_ranges(memory.tensors) + storage_ranges(staging))
+    metadata = _metadata(who, transport, memory.regions)
+    client = SideChannelClient(settings.side_channel_timeout_s, secret=settings.secret)
+    peers = PeerDirectory(client, metadata, topology)
+    receiver = Receiver(
+        transport,
+        topology,
+        who.tp_rank,
+        memory.regions,
+        LocalMemory.from_tensors([*memory.tensors, *staging]),
+        peers,
+        client,
+        settings.receiver,
+        StagingPool([StagingArea(t.data_ptr(), t.numel()) for t in staging]),
+    )
+    return DecodeSide(receiver, client, peers, metadata, staging)

@@ -1,0 +1,242 @@
+"""Worker side of the connector: register the KV cache, run the sender or receiver, report.
+
+Every rank reports each request exactly once (vLLM counts one report per worker): a prefill rank
+that no decode rank reads reports at once; a decode rank reports after its own pulls and fix-up.
+A failed pull is reported finished *and* its blocks as load errors in the same step, so vLLM's
+``kv_load_failure_policy`` decides between recompute and error; its bytes are never used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from ..datapath.orders import StepOrders
+from ..datapath.receiver import Receiver
+from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
+from ..datapath.sender import PrefillSender
+from ..datapath.transport import Transport, create_transport
+from ..log import get_logger
+from ..timeline import TimelineLog
+from .config import ConnectorConfig
+from .identity import model_identity
+from .stats import TransferStats
+from .wiring import (
+    DecodeSide,
+    KVCacheMemory,
+    WorkerIdentity,
+    build_decode_side,
+    build_prefill_side,
+    decode_settings,
+    prefill_settings,
+)
+
+logger = get_logger(__name__)
+timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(name), name
+    except Exception:
+        return 1 << 30, name
+
+
+class ConnectorWorker:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.config = config
+        self._vllm_config = vllm_config
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.transport: Transport | None = None
+        self.sender: PrefillSender | None = None
+        self.receiver: Receiver | None = None
+        self._decode: DecodeSide | None = None
+        self._load_errors: set[int] = set()
+        self.stats = TransferStats()
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.platforms import current_platform
+
+        config, vllm_config = self.config, self._vllm_config
+        ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
+        memory = self._describe(ordered)
+        self._check_resolved_layout()
+        self.transport = create_transport(
+            config.transport,
+            config.side_channel_host,
+            config.protocol,
+            config.device_name,
+            device_type=current_platform.device_type,
+            read_wait=config.read_wait,
+        )
+        who = WorkerIdentity(
+            engine_id=config.engine_id,
+            incarnation=uuid.uuid4().hex,
+            tp_rank=self.tp_rank,
+            tp_size=config.local.tp_size,
+            dp_rank=config.dp_rank,
+            dp_size=config.local.dp_size,
+            model=model_identity(
+                vllm_config,
+                ordered,
+                block_size=config.block_size,
+                num_kv_heads=config.num_kv_heads,
+                is_mla=config.is_mla,
+            ),
+        )
+        topology = config.topology()
+        if config.is_producer:
+            side = build_prefill_side(
+                who, topology, self.transport, memory, prefill_settings(config, self.tp_rank)
+            )
+            self.sender, metadata = side.sender, side.metadata
+        else:
+            self._decode = build_decode_side(
+                who, topology, self.transport, memory, decode_settings(config)
+            )
+            self.receiver, metadata = self._decode.receiver, self._decode.metadata
+        regions = memory.regions
+        logger.info(
+            "%s worker %d ready: %d KV regions (%s), attention %s, %s",
+            config.role,
+            self.tp_rank,
+            len(regions),
+            regions[0].layout.block_order.value if regions else "none",
+            metadata.identity.attention_backend or "unknown",
+            topology.describe(),
+        )
+
+    def _describe(self, ordered: dict[str, Any]) -> KVCacheMemory:
+        """vLLM's KV caches (layer order) as registered tensors and described regions."""
+        config, vllm_config = self.config, self._vllm_config
+        model = vllm_config.model_config
+        local_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        if any(isinstance(cache, (tuple, list)) for cache in ordered.values()):
+            # vllm-ascend hands over (K, V) -- or (latent,) for MLA -- tensors per layer.
+            regions = regions_from_split_caches(
+                ordered,
+                num_kv_heads=local_heads,
+                block_size=config.block_size,
+                head_size=model.get_head_size(),
+            )
+            return KVCacheMemory([t for cache in ordered.values() for t in cache], regions)
+        regions = regions_from_vllm_views(
+            ordered,
+            num_kv_heads=local_heads,
+            block_size=config.block_size,
+            is_mla=config.is_mla,
+        )
+        return KVCacheMemory(list(ordered.values()), regions)
+
+    def _check_resolved_layout(self) -> None:
+        try:
+            resolved = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        except Exception:
+            return
+        if not self.config.is_mla and resolved != "LBHNC":
+            logger.warning(
+                "KV cache layout resolved to %s instead of the preferred LBHNC (an attention "
+                "backend vetoed it); heterogeneous TP then re-lays blocks out after each pull",
+                resolved,
+            )
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def start_load_kv(self, orders: StepOrders) -> None:
+        if self.sender is not None:
+            tracker = self.sender.tracker
+            for transfer_id in orders.drops:
+                tracker.drop(transfer_id)
+            for held in orders.holds:
+                now = time.time()
+                if held.finished_at:
+                    self.stats.record_hold_delay(max(0.0, now - held.finished_at))
+                tracker.hold(
+                    held.transfer_id,
+                    request_id=held.request_id,
+                    block_ids=held.block_ids,
+                    num_prompt_tokens=held.num_prompt_tokens,
+                )
+                timeline_log.emit(
+                    "prefill",
+                    held.transfer_id,
+                    {
+                        "arrived": held.arrived_at or None,
+                        "scheduled": held.scheduled_at or None,
+                        "finished": held.finished_at or None,
+                        "held": now,
+                    },
+                    rank=self.tp_rank,
+                    request=held.request_id,
+                )
+        if self.receiver is not None:
+            for pull in orders.pulls:
+                self.receiver.submit(pull)
+            for request_id in orders.cancels:
+                self.receiver.cancel(request_id)
+
+    def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if idle:  # see config.DEFAULT_IDLE_STEP_WAIT_MS
+            wait_s = self.config.idle_step_wait_s
+            if self.receiver is not None:
+                self.receiver.wait_for_news(wait_s)
+            if self.sender is not None:
+                self.sender.tracker.wait_for_news(wait_s)
+        if self.sender is not None:
+            sending = self.sender.tracker.take_finished()
+            self.stats.record_expired(self.sender.tracker.take_expired_count())
+        if self.receiver is not None:
+            done, failed = self.receiver.take_finished()
+            recving = done | set(failed)
+            for request_id, failure in failed.items():
+                if failure.cancelled:  # vLLM frees the blocks of a finished request unused
+                    logger.info("KV load of request %s cancelled: %s", request_id, failure.reason)
+                    continue
+                logger.warning("KV load failed for request %s: %s", request_id, failure.reason)
+                self._load_errors.update(failure.local_block_ids)
+                self.stats.record_failure()
+            reported = time.monotonic()
+            for pull in self.receiver.take_stats():
+                phases = {}
+                if pull.timeline is not None:
+                    pull.timeline.reported = reported
+                    phases = pull.timeline.phases()
+                    timeline_log.emit(
+                        "decode",
+                        pull.transfer_id,
+                        pull.timeline.wall_stamps(),
+                        rank=self.tp_rank,
+                        request=pull.request_id,
+                    )
+                    if logger.isEnabledFor(logging.DEBUG):
+                        logger.debug(
+                            "pull of %s (transfer %s), ms per phase: %s",
+                            pull.request_id,
+                            pull.transfer_id,
+                            ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items()),
+                        )
+                self.stats.record_pull(pull.seconds, pull.num_bytes, pull.num_descriptors, phases)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self._decode is not None:
+            self._decode.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,68 @@
+"""Handshake compatibility: refuse a peer whose KV bytes cannot be combined with ours.
+
+Checked once per peer when its metadata is fetched, before any byte moves. Every mismatch is
+named with both values, so an operator sees which flag to change; nothing is silently corrupted.
+"""
+
+from __future__ import annotations
+
+from ..core.layout import LayoutError, check_pairable
+from ..core.topology import TransferTopology
+from .wire import WorkerMetadata
+
+#: Identity fields that name things for messages but need not match.
+_NAMES_ONLY = ("model",)
+
+
+class IncompatiblePeerError(ValueError):
+    """The prefill and decode workers cannot exchange KV (different model, layout, geometry)."""
+
+
+def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: TransferTopology) -> None:
+    """Raise :class:`IncompatiblePeerError` unless decode ``local`` can read prefill ``remote``."""
+    peer = f"prefill engine {remote.engine_id} rank {remote.tp_rank}"
+    problems = [
+        f"{field} {getattr(remote.identity, field)!r} on prefill vs "
+        f"{getattr(local.identity, field)!r} on decode"
+        for field in remote.identity.__struct_fields__
+        if field not in _NAMES_ONLY
+        and getattr(remote.identity, field) != getattr(local.identity, field)
+    ]
+    if problems:
+        problems.append(
+            f"prefill serves {remote.identity.model!r}, decode {local.identity.model!r}"
+        )
+    if remote.tp_size != topology.prefill_tp:
+        problems.append(
+            f"prefill runs TP {remote.tp_size} but this decode instance is configured for "
+            f"prefill TP {topology.prefill_tp} (kv_connector_extra_config prefill.tp_size)"
+        )
+    if remote.pp_size != 1:
+        problems.append(f"prefill pipeline parallelism {remote.pp_size} is not supported (use 1)")
+    if len(remote.regions) != len(local.regions):
+        problems.append(
+            f"{len(remote.regions)} KV regions on prefill vs {len(local.regions)} on decode"
+        )
+    if problems:
+        raise IncompatiblePeerError(f"{peer} is incompatible: " + "; ".join(problems))
+    expected_remote = topology.prefill_heads_per_rank
+    expected_local = topology.decode_heads_per_rank
+    for local_region, remote_region in zip(local.to_regions(), remote.to_regions(), strict=True):
+        if local_region.name != remote_region.name:
+            raise IncompatiblePeerError(
+                f"{peer} is incompatible: region {remote_region.name!r} on prefill pairs with "
+                f"{local_region.name!r} on decode (different layer order)"
+            )
+        try:
+            check_pairable(local_region.layout, remote_region.layout, name=local_region.name)
+        except LayoutError as exc:
+            raise IncompatiblePeerError(f"{peer} is incompatible: {exc}") from exc
+        if not topology.is_mla and (
+            remote_region.layout.num_heads != expected_remote
+            or local_region.layout.num_heads != expected_local
+        ):
+            raise IncompatiblePeerError(
+                f"{peer} is incompatible: region {local_region.name} holds "
+                f"{remote_region.layout.num_heads} heads on prefill and "
+                f"{local_region.layout.num_heads} on decode, but {topology.describe()}"
+            )

@@ -1,0 +1,125 @@
+"""Decode side: prefill workers' metadata, fetched once per peer, checked, and invalidated.
+
+A peer is one prefill worker's side channel ``(host, port)``. Its metadata (regions, transfer
+engine session, incarnation) is fetched on first use, checked for compatibility and decoded once
+into a :class:`PrefillPeer`, which every request reading that peer then shares; it is dropped
+when a read from that peer fails or when a request names a different engine or incarnation, so a
+restarted prefill worker is re-fetched instead of read at stale addresses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from ..core.layout import Region
+from ..core.topology import TransferTopology
+from ..log import get_logger
+from .compat import check_peer
+from .side_channel import SideChannelClient, SideChannelError
+from .wire import WorkerMetadata
+
+logger = get_logger(__name__)
+
+# Pauses between metadata fetch attempts (the last value is unused: no retry after it).
+FETCH_BACKOFF_S = (0.2, 1.0, 0.0)
+
+
+@dataclass(frozen=True)
+class PrefillPeer:
+    """A prefill worker as decode reads it: its checked metadata and its regions, decoded once."""
+
+    metadata: WorkerMetadata
+    regions: tuple[Region, ...]
+
+    @classmethod
+    def of(cls, metadata: WorkerMetadata) -> PrefillPeer:
+        return cls(metadata, tuple(metadata.to_regions()))
+
+    @property
+    def transport_session(self) -> str:
+        return self.metadata.transport_session
+
+    @property
+    def incarnation(self) -> str:
+        return self.metadata.incarnation
+
+    @property
+    def engine_id(self) -> str:
+        return self.metadata.engine_id
+
+
+class PeerDirectory:
+    """Thread-safe cache of prefill workers' metadata."""
+
+    def __init__(
+        self, client: SideChannelClient, local: WorkerMetadata, topology: TransferTopology
+    ) -> None:
+        self._client = client
+        self._local = local
+        self._topology = topology
+        self._cache: dict[tuple[str, int], PrefillPeer] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def local(self) -> WorkerMetadata:
+        """This decode worker's own metadata (its incarnation names it as a reader)."""
+        return self._local
+
+    def get(
+        self,
+        host: str,
+        port: int,
+        engine_id: str | None = None,
+        incarnation: str | None = None,
+    ) -> PrefillPeer:
+        """The peer, checked and decoded; re-fetched when stale. Raises on mismatch or
+        incompatibility."""
+        key = (host, port)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is not None and _matches(cached.metadata, engine_id, incarnation):
+            return cached
+        reply = self._fetch_with_retries(host, port)
+        if not isinstance(reply, WorkerMetadata):
+            raise SideChannelError(f"{host}:{port} answered metadata with {type(reply).__name__}")
+        if not _matches(reply, engine_id, incarnation):
+            raise SideChannelError(
+                f"{host}:{port} is engine {reply.engine_id} incarnation {reply.incarnation}, "
+                f"but the request expects engine {engine_id} incarnation {incarnation}: the "
+                f"prefill instance was restarted or the request names the wrong instance"
+            )
+        check_peer(self._local, reply, self._topology)
+        peer = PrefillPeer.of(reply)
+        with self._lock:
+            self._cache[key] = peer
+        return peer
+
+    def _fetch_with_retries(self, host: str, port: int):
+        """A busy prefill worker (first request, CPU contention) may miss one exchange."""
+        for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
+            try:
+                return self._client.fetch_metadata(host, port)
+            except SideChannelError as exc:
+                if attempt == len(FETCH_BACKOFF_S) - 1:
+                    raise
+                logger.warning(
+                    "metadata fetch from %s:%d failed (%s); retrying in %.1f s",
+                    host,
+                    port,
+                    exc,
+                    backoff_s,
+                )
+                time.sleep(backoff_s)
+        raise AssertionError("unreachable")
+
+    def invalidate(self, host: str, port: int) -> None:
+        with self._lock:
+            self._cache.pop((host, port), None)
+
+
+def _matches(meta: WorkerMetadata, engine_id: str | None, incarnation: str | None) -> bool:
+    return (engine_id is None or meta.engine_id == engine_id) and (
+        incarnation is None or meta.incarnation == incarnation
+    )

@@ -1,0 +1,592 @@
+"""Decode side: pull each request's KV from the prefill ranks the topology names, then fix it up.
+
+One dispatcher thread turns a :class:`PullOrder` into a plan (fetching peer metadata on first
+contact). Reads then run on a thread pool with one FIFO lane per prefill peer: different peers in
+parallel, one peer strictly in order. All layers of a request-peer pair go out as one batched read,
+split at the descriptor cap. The fix-up runs only once every pull of the request has landed; a
+partially read request is never fixed up or reported loaded. Each peer read gets a read-done
+notification (success or not) so the prefill side can free its blocks; :mod:`.notifier` sends it
+off the read path.
+
+What is reported to vLLM is what vLLM waits for, and only once no byte can land any more: a
+release-only pull (no local blocks) is never reported; a failed request is reported only after
+every one of its reads has settled. A read whose descriptors are still in flight after the
+transport's settle window is never reported (:class:`~.transport.UnsettledTransfer`): vLLM then
+keeps its blocks allocated, so late bytes can never reach a block that was recomputed or reused.
+
+A pull admitted before prefill finished (overlapped legs) has no remote block ids yet: its claims
+wait for up to ``prefill_wait_s`` (prefill holds each claim open and answers it as soon as it
+registers the request), and the grant carries the block ids. Every prefill rank must report the
+same ones. Such a pull is bound to prefill by its unique transfer id, not by an engine id the
+proxy may have cached before prefill restarted: a restarted peer is looked up again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..core.layout import Region
+from ..core.plan import (
+    PeerPlan,
+    PlanOptions,
+    RequestPlan,
+    StagingArea,
+    TransferBatch,
+    needs_staging,
+    plan_request,
+)
+from ..core.relayout import LocalMemory, apply_row_copies, apply_swaps
+from ..core.topology import TransferTopology, request_seed
+from ..defaults import (
+    DEFAULT_CLAIM_PARK_S,
+    DEFAULT_CLAIM_WAIT_S,
+    DEFAULT_COALESCE_RUNS,
+    DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+    DEFAULT_PREFILL_WAIT_S,
+    DEFAULT_READ_RETRIES,
+    DEFAULT_RECEIVER_THREADS,
+)
+from ..log import get_logger
+from ..timeline import PullTimeline
+from .lanes import FifoLane
+from .notifier import ReadDoneNotifier
+from .orders import PullOrder
+from .peers import PeerDirectory
+from .side_channel import PeerRefused, SideChannelClient, SideChannelError
+from .transport import TransferError, Transport, UnsettledTransfer
+from .wire import ClaimRead, ClaimReply, ReadDone, bounded_text
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ReceiverOptions:
+    """The decode side's settings, in bytes and seconds. Those that are keys of
+    kv_connector_extra_config default to the configuration's defaults (config.py); the worker
+    passes the configured values (:class:`~.config.ConnectorConfig`)."""
+
+    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
+    block_reads_from_bytes: int = 0  # 0: never (the configured default depends on the protocol)
+    max_descriptor_bytes: int = 0  # 0: never split (likewise)
+    num_threads: int = DEFAULT_RECEIVER_THREADS  # receiver_threads
+    requests_per_turn: int = 4
+    # how long a "pending" prefill (request not registered yet) is asked
+    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S
+    # the same, for a pull admitted before prefill finished
+    prefill_wait_s: float = DEFAULT_PREFILL_WAIT_S
+    claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
+    # prefill may hold a pending claim's reply this long (long poll)
+    claim_park_s: float = DEFAULT_CLAIM_PARK_S
+    claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
+    # extra attempts for a failed batch read (transient transport errors)
+    read_retries: int = DEFAULT_READ_RETRIES
+    retry_backoff_s: float = 0.2
+    lease_margin: float = 0.1  # fraction of a lease kept as safety margin
+    notify_attempts: int = 4  # read-done deliveries tried per peer before the prefill's deadline
+    notify_backoff_s: float = 1.0  # wait before retry n is n times this
+
+
+@dataclass(frozen=True)
+class PullFailure:
+    """A request whose KV could not be loaded: these local blocks hold garbage.
+
+    ``cancelled``: vLLM finished (aborted) the request while it waited for prefill, and the pull
+    gave up before reading; not a transfer failure.
+    """
+
+    local_block_ids: tuple[int, ...]
+    reason: str
+    cancelled: bool = False
+
+
+class PullCancelled(RuntimeError):
+    """The request finished in vLLM before prefill granted its read; nothing was read."""
+
+
+@dataclass(frozen=True)
+class PullStats:
+    request_id: str
+    num_bytes: int
+    num_descriptors: int
+    seconds: float  # first read to KV ready
+    fixup_seconds: float = 0.0
+    timeline: PullTimeline | None = None  # the worker stamps ``reported`` when it takes these
+    transfer_id: str = ""  # joins this decode rank's timeline to prefill's log lines
+
+
+class StagingPool:
+    """Registered buffers that token-major slice pulls land in; one per request in flight."""
+
+    def __init__(self, areas: Sequence[StagingArea]) -> None:
+        self._free: queue.Queue[StagingArea] = queue.Queue()
+        for area in areas:
+            self._free.put(area)
+
+    def acquire(self) -> StagingArea:
+        return self._free.get()
+
+    def release(self, area: StagingArea) -> None:
+        self._free.put(area)
+
+
+@dataclass
+class _Peer:
+    """A prefill rank this request reads, and the read lease it granted."""
+
+    rank: int
+    host: str
+    port: int
+    transport_session: str
+    incarnation: str
+    claimed_at: float = 0.0
+    lease_s: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    pull: PullOrder
+    plan: RequestPlan
+    peers: dict[int, _Peer]
+    remaining: int
+    started: float
+    timeline: PullTimeline
+    staging: StagingArea | None = None
+    failure: str | None = None
+    cancelled: bool = False  # the failure is a cancellation (see PullCancelled)
+    quarantined: bool = False  # a read may still write its local memory: never report it
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _agreed_block_ids(
+    pull: PullOrder, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
+) -> tuple[int, ...]:
+    """The prefill block ids a grant names, checked against the prompt and against what is
+    already known: the request's params (serial legs) or the other ranks' grants (overlapped).
+
+    A decode reads only blocks that prefill holds for this transfer: params naming other blocks
+    (a client's own, or a stale or forged hand-off) are refused, not read."""
+    block_ids = tuple(granted.block_ids)
+    if granted.num_prompt_tokens != pull.num_prompt_tokens or not block_ids:
+        raise RuntimeError(
+            f"prefill computed {granted.num_prompt_tokens} prompt tokens in {len(block_ids)} "
+            f"blocks, the decode request has {pull.num_prompt_tokens} tokens"
+        )
+    if so_far is not None and block_ids != so_far:
+        named_by = "another prefill rank" if pull.early else "the request's kv_transfer_params"
+        raise RuntimeError(
+            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
+            f"{named_by} in {list(so_far)[:8]}...: refusing to read blocks prefill does not hold "
+            f"for this transfer"
+        )
+    return block_ids
+
+
+class Receiver:
+    """Pulls requests' KV into this decode worker's cache."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        topology: TransferTopology,
+        decode_rank: int,
+        local_regions: Sequence[Region],
+        memory: LocalMemory,
+        peers: PeerDirectory,
+        client: SideChannelClient,
+        options: ReceiverOptions | None = None,
+        staging: StagingPool | None = None,
+    ) -> None:
+        self._transport = transport
+        self._topology = topology
+        self._rank = decode_rank
+        self._local_regions = list(local_regions)
+        self._memory = memory
+        self._peers = peers
+        self._client = client
+        self._options = options or ReceiverOptions()
+        self._staging = staging
+        self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
+        # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
+        # so that it can neither block the reads that free staging buffers nor queue behind a
+        # dead peer's timeouts on one thread. Pulls admitted before their prefill finished wait
+        # there for its lease (mostly asleep), hence more threads than for reads.
+        self._prepare_pool = ThreadPoolExecutor(
+            4 * self._options.num_threads, thread_name_prefix="vam-prepare"
+        )
+        self._lanes: dict[str, FifoLane] = {}  # by prefill transport session
+        self._notifier = ReadDoneNotifier(
+            client,
+            threads=self._options.num_threads,
+            attempts=self._options.notify_attempts,
+            backoff_s=self._options.notify_backoff_s,
+            per_turn=self._options.requests_per_turn,
+        )
+        self._queue: queue.Queue[tuple[PullOrder, PullTimeline] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # a pull vLLM waits for has ended
+        self._waited_for = 0  # pulls vLLM waits for that have not ended yet
+        self._done: set[str] = set()
+        self._failed: dict[str, PullFailure] = {}
+        self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
+        self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
+        self._stats: list[PullStats] = []
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="vam-recv-dispatch", daemon=True
+        )
+        self._dispatcher.start()
+
+    # -- public API -------------------------------------------------------------------------
+
+    def submit(self, pull: PullOrder) -> None:
+        if not pull.release_only:
+            with self._lock:
+                self._waited_for += 1
+                self._in_flight.add(pull.request_id)
+        self._queue.put((pull, PullTimeline(submitted=time.monotonic())))
+
+    def cancel(self, request_id: str) -> None:
+        """vLLM finished the request while its KV loads: a pull still waiting for prefill's
+        grant gives up at its next ask (within ``claim_park_s``). Reads already under way run to
+        the end: a Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
+        with self._lock:
+            if request_id in self._in_flight:
+                self._cancelled.add(request_id)
+
+    def _check_cancelled(self, pull: PullOrder) -> None:
+        with self._lock:
+            cancelled = pull.request_id in self._cancelled
+        if cancelled:
+            raise PullCancelled(f"request {pull.request_id} finished before prefill granted it")
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
+
+        An engine with only loading requests steps in a tight loop; waiting here instead keeps
+        it from taking the CPU that the transfer (and, on a shared host, prefill) needs.
+        """
+        with self._news:
+            if self._waited_for and not self._done and not self._failed:
+                self._news.wait(timeout_s)
+
+    def take_finished(self) -> tuple[set[str], dict[str, PullFailure]]:
+        """Requests whose pull ended since the last call: loaded ones, and failed ones with the
+        local blocks that must not be used."""
+        with self._lock:
+            done, self._done = self._done, set()
+            failed, self._failed = self._failed, {}
+        return done, failed
+
+    def take_stats(self) -> list[PullStats]:
+        with self._lock:
+            stats, self._stats = self._stats, []
+        return stats
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._dispatcher.join(timeout=5)
+        self._prepare_pool.shutdown(wait=True, cancel_futures=False)
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        self._notifier.shutdown()
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._prepare_pool.submit(self._prepare, *item)
+
+    def _prepare(self, pull: PullOrder, timeline: PullTimeline) -> None:
+        peers: dict[int, _Peer] = {}
+        try:
+            self._start(pull, peers, timeline)
+        except Exception as exc:
+            cancelled = isinstance(exc, PullCancelled)
+            log = logger.info if cancelled else logger.warning
+            log("cannot pull KV for request %s: %s", pull.request_id, exc)
+            for peer in peers.values():  # release what was looked up; others expire it
+                self._notify(peer, pull.transfer_id, str(exc))
+            self._finish(pull, failure=str(exc), cancelled=cancelled)
+
+    def _start(self, pull: PullOrder, peers: dict[int, _Peer], timeline: PullTimeline) -> None:
+        seed = request_seed(pull.transfer_id)
+        pulls = self._topology.pulls_for(self._rank, seed)
+        remote_tables: dict[int, Sequence[Region]] = {}
+        # An early pull is bound by its unique transfer id; the engine id it carries may predate
+        # a prefill restart (the proxy learns the new one from the answer that follows).
+        engine_id = None if pull.early else pull.remote_engine_id
+        for head_pull in pulls:
+            rank = head_pull.prefill_rank
+            port = pull.remote_port + rank
+            prefill = self._peers.get(pull.remote_host, port, engine_id)
+            remote_tables[rank] = prefill.regions
+            peers[rank] = _Peer(
+                rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
+            )
+        remote_block_ids = pull.remote_block_ids
+        if pull.local_block_ids:
+            for peer in peers.values():
+                granted = self._first_claim(pull, peer, remote_tables)
+                remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
+        timeline.granted = time.monotonic()
+        staging = None
+        if (
+            pull.local_block_ids
+            and self._local_regions
+            and needs_staging(
+                self._local_regions[0].layout,
+                remote_tables[pulls[0].prefill_rank][0].layout,
+                pulls[0],
+            )
+        ):
+            if self._staging is None:
+                raise RuntimeError("this worker has no staging buffer for token-major slice pulls")
+            staging = self._staging.acquire()
+        try:
+            plan = plan_request(
+                self._topology,
+                self._rank,
+                seed,
+                self._local_regions,
+                remote_tables,
+                pull.local_block_ids,
+                remote_block_ids or (),
+                PlanOptions(
+                    max_descriptors_per_batch=self._options.max_descriptors_per_batch,
+                    coalesce_runs=self._options.coalesce_runs,
+                    block_reads_from_bytes=self._options.block_reads_from_bytes,
+                    staging=staging,
+                    max_descriptor_bytes=self._options.max_descriptor_bytes,
+                ),
+            )
+        except Exception:
+            if staging is not None:
+                self._staging.release(staging)
+            raise
+        state = _InFlight(
+            pull, plan, dict(peers), len(peers), time.perf_counter(), timeline, staging
+        )
+        for peer_plan in plan.peers:
+            if peer_plan.batches:
+                self._lane(peers[peer_plan.prefill_rank].transport_session).push((state, peer_plan))
+            else:  # nothing to read (decode already caches the prompt): just release
+                self._read_from(state, peer_plan)
+
+    def _first_claim(
+        self, pull: PullOrder, peer: _Peer, remote_tables: dict[int, Sequence[Region]]
+    ) -> ClaimReply:
+        """The first claim; an early pull whose cached peer restarted retries it on the new one
+        (the transfer id is unique, so the new incarnation is the one computing it)."""
+        try:
+            return self._claim(pull, peer)
+        except PeerRefused:
+            if not pull.early:
+                raise
+            prefill = self._peers.get(peer.host, peer.port)  # invalidated by the refusal
+            if prefill.incarnation == peer.incarnation:
+                raise
+            logger.info(
+                "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
+                peer.host,
+                peer.port,
+                prefill.incarnation,
+                pull.transfer_id,
+            )
+            peer.transport_session = prefill.transport_session
+            peer.incarnation = prefill.incarnation
+            remote_tables[peer.rank] = prefill.regions
+            return self._claim(pull, peer)
+
+    def _claim(self, pull: PullOrder, peer: _Peer) -> ClaimReply:
+        """Obtain (or renew) the peer's read lease; raises if it refuses or never registers."""
+        options = self._options
+        wait_s = options.prefill_wait_s if pull.early else options.claim_wait_s
+        deadline = time.monotonic() + wait_s
+        poll_s, longest_poll_s = options.claim_poll_s
+        message = ClaimRead(
+            pull.transfer_id,
+            self._rank,
+            peer.incarnation,
+            pull.num_prompt_tokens,
+            wait_s=options.claim_park_s,
+            decode_tp=self._topology.decode_tp,
+            reader=self._peers.local.incarnation,
+        )
+        silent = 0
+        while True:
+            self._check_cancelled(pull)
+            sent_at = time.monotonic()
+            try:
+                reply = self._client.request(peer.host, peer.port, message)
+            except PeerRefused:
+                self._peers.invalidate(peer.host, peer.port)
+                raise
+            except SideChannelError as exc:
+                # A claim is idempotent: a silent peer (a starved host) is asked again, a dead
+                # one costs claim_attempts timeouts.
+                silent += 1
+                if silent >= options.claim_attempts:
+                    self._peers.invalidate(peer.host, peer.port)
+                    raise
+                logger.warning("claim of %s: %s; asking again", pull.transfer_id, exc)
+                continue
+            if not isinstance(reply, ClaimReply):
+                raise RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
+            if reply.status == "granted":
+                peer.claimed_at, peer.lease_s = sent_at, reply.lease_s
+                return reply
+            if reply.status != "pending" or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
+                    f"{reply.reason}"
+                )
+            if time.monotonic() - sent_at < poll_s:  # answered at once, not held: do not hammer
+                time.sleep(poll_s)
+                poll_s = min(poll_s * 1.5, longest_poll_s)
+
+    def _lane(self, session: str) -> FifoLane:
+        with self._lock:
+            lane = self._lanes.get(session)
+            if lane is None:
+                lane = self._lanes[session] = FifoLane(
+                    self._pool, self._read_from, self._options.requests_per_turn
+                )
+        return lane
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
+        peer = state.peers[peer_plan.prefill_rank]
+        failure = None
+        with state.lock:
+            state.timeline.mark_first_read(time.monotonic())
+        if state.failure is None and peer_plan.batches:
+            try:
+                self._read_leased(state.pull, peer, peer_plan)
+            except Exception as exc:  # any failure: the request is failed, never half-used
+                failure = str(exc)
+                if isinstance(exc, UnsettledTransfer):
+                    state.quarantined = True
+                if isinstance(exc, PullCancelled):  # renewing a lease that waited in the queue
+                    state.cancelled = True
+                self._peers.invalidate(peer.host, peer.port)
+                logger.warning(
+                    "request %s: read from prefill rank %d (%s) failed: %s",
+                    state.pull.request_id,
+                    peer.rank,
+                    peer.transport_session,
+                    exc,
+                )
+        self._notify(peer, state.pull.transfer_id, failure or state.failure)
+        with state.lock:
+            if failure is not None and state.failure is None:
+                state.failure = failure
+            state.remaining -= 1
+            last = state.remaining == 0
+        if last:
+            state.timeline.landed = time.monotonic()
+            self._complete(state)
+
+    def _read_leased(self, pull: PullOrder, peer: _Peer, peer_plan: PeerPlan) -> None:
+        """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
+        if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
+            self._claim(pull, peer)  # waited long in the queue: renew before reading
+        for batch in peer_plan.batches:
+            self._read_batch(peer.transport_session, batch)
+            apply_row_copies(self._memory, batch.after_landing)
+        lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
+        if time.monotonic() > lease_end:
+            raise RuntimeError(
+                f"the read outlasted its {peer.lease_s:.0f} s lease: prefill may already have "
+                f"reused the blocks"
+            )
+
+    def _read_batch(self, transport_session: str, batch: TransferBatch) -> None:
+        for attempt in range(self._options.read_retries + 1):
+            try:
+                self._transport.read(
+                    transport_session, batch.local_addrs, batch.remote_addrs, batch.lengths
+                )
+                return
+            except UnsettledTransfer:
+                raise  # bytes may still land: a second read into the same memory would race it
+            except TransferError:
+                if attempt == self._options.read_retries:
+                    raise
+                time.sleep(self._options.retry_backoff_s * (attempt + 1))
+
+    def _complete(self, state: _InFlight) -> None:
+        if state.quarantined:
+            # Never reported: vLLM keeps the blocks (and this staging area stays out of use), so
+            # the bytes still in flight cannot land in KV that anyone else computes or reads.
+            logger.error(
+                "request %s: a KV read never settled (%s); its %d decode block(s) stay allocated "
+                "and the request waits until the engine restarts",
+                state.pull.request_id,
+                state.failure,
+                len(state.pull.local_block_ids),
+            )
+            with self._lock:
+                self._waited_for -= 1  # nothing to wait for: it is never reported
+                self._in_flight.discard(state.pull.request_id)
+                self._cancelled.discard(state.pull.request_id)
+            return
+        fixup_started = time.perf_counter()
+        try:
+            if state.failure is None:
+                apply_swaps(self._memory, state.plan.fixups)
+        except Exception as exc:
+            state.failure = f"fix-up failed: {exc}"
+            logger.exception("request %s: KV fix-up failed", state.pull.request_id)
+        finally:
+            if state.staging is not None and self._staging is not None:
+                self._staging.release(state.staging)
+        state.timeline.fixed_up = time.monotonic()
+        if state.failure is None and not state.pull.release_only:
+            with self._lock:
+                self._stats.append(
+                    PullStats(
+                        state.pull.request_id,
+                        state.plan.num_bytes,
+                        state.plan.num_descriptors,
+                        time.perf_counter() - state.started,
+                        time.perf_counter() - fixup_started,
+                        state.timeline,
+                        state.pull.transfer_id,
+                    )
+                )
+        self._finish(state.pull, state.failure, cancelled=state.cancelled)
+
+    def _finish(self, pull: PullOrder, failure: str | None, cancelled: bool = False) -> None:
+        if pull.release_only:
+            if failure is not None:
+                logger.info(
+                    "request %s: releasing prefill's hold failed: %s", pull.request_id, failure
+                )
+            return  # vLLM loads nothing for it and must never hear of it
+        with self._lock:
+            if failure is None:
+                self._done.add(pull.request_id)
+            else:
+                self._failed[pull.request_id] = PullFailure(
+                    tuple(pull.local_block_ids), failure, cancelled
+                )
+            self._in_flight.discard(pull.request_id)
+            self._cancelled.discard(pull.request_id)
+            self._waited_for -= 1
+            self._news.notify_all()
+
+    def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
+        message = ReadDone(
+            request_id=transfer_id,
+            decode_rank=self._rank,
+            incarnation=peer.incarnation,
+            success=failure is None,
+            reason=bounded_text(failure or ""),
+            reader=self._peers.local.incarnation,
+        )
+        self._notifier.send(peer.host, peer.port, peer.rank, message)

@@ -1,0 +1,384 @@
+"""Prefill side: hold each request's blocks until every decode rank that reads them is done.
+
+The topology tells this rank which decode ranks will read it for a request (possibly none: then the
+request is finished at once). Decode ranks claim a lease before reading; a lease keeps a busy but
+live decode from being cut off, and a request whose blocks were already released is refused, so a
+late read never sees reused blocks. Read-done notifications may arrive before this worker learns
+of the request (the decode side can be faster than this worker's next step), so early ones are
+kept until the request shows up. A request nobody finishes reading is released when its deadline
+(``release_timeout_s`` after it was held, or the end of the latest lease) passes. Each request is
+reported finished exactly once.
+
+Requests are tracked under their transfer id (vLLM's request id unless the proxy overlapped the
+legs and chose one). A claim that arrives before prefill is done is held open by the side channel
+and answered the moment prefill registers the request ("pending" if that takes longer than the
+claim's wait); the grant carries the prompt's block ids, which is how a decode that was admitted
+early learns them. A
+prefill request that ends without a hand-off (aborted) is dropped, so its claims are refused at
+once instead of waiting for a prefill that will never come.
+
+A decode rank's lease belongs to the reader it was first granted to (the decode worker's
+incarnation): nobody else can renew it or end it with a read-done notice. However often it is
+renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..core.topology import TransferTopology, request_seed
+from ..log import get_logger
+from .side_channel import Park, SideChannelServer
+from .wire import (
+    Ack,
+    ClaimRead,
+    ClaimReply,
+    ErrorReply,
+    GetMetadata,
+    Message,
+    ReadDone,
+    WorkerMetadata,
+)
+
+logger = get_logger(__name__)
+
+# Early read-done notifications and released ids are remembered this many timeouts long; a
+# hostile peer can therefore grow them only at its own message rate, for a bounded time.
+MEMORY_TIMEOUTS = 2
+#: However often a transfer is claimed, its blocks are held at most this many release timeouts
+#: in all: a reader that keeps renewing its lease cannot pin prefill memory for ever.
+MAX_HOLD_TIMEOUTS = 4
+#: Read-done notices for requests this rank does not hold yet that are remembered at most: a
+#: flood of notices for made-up ids cannot grow memory past this (the rest are ignored).
+MAX_EARLY_NOTICES = 1 << 16
+#: The longest a pending claim is held open before it is answered "pending" anyway.
+MAX_CLAIM_PARK_S = 5.0
+
+
+@dataclass
+class _Held:
+    request_id: str
+    readers_left: set[int]
+    deadline: float
+    block_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = -1
+    failed_readers: set[int] = field(default_factory=set)
+    hold_ends: float = float("inf")  # the latest deadline any lease may extend to
+    #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
+    lessees: dict[int, str] = field(default_factory=dict)
+
+
+class SendTracker:
+    """Thread-safe bookkeeping of requests whose blocks this prefill rank holds."""
+
+    def __init__(
+        self,
+        topology: TransferTopology,
+        rank: int,
+        release_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._topology = topology
+        self._rank = rank
+        self._timeout = release_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # a request may be finished now
+        self._held: dict[str, _Held] = {}
+        self._early: dict[str, tuple[set[int], float]] = {}
+        # transfer id -> (vLLM request id, forget after); "" for a dropped request
+        self._released: dict[str, tuple[str, float]] = {}
+        self._finished: set[str] = set()
+        self.num_expired = 0
+        self._expired_reported = 0
+        self.num_ignored_notices = 0
+        #: Called (outside the lock) after a hold or a drop, so parked claims are answered.
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def lease_s(self) -> float:
+        return self._timeout
+
+    def hold(
+        self,
+        transfer_id: str,
+        *,
+        request_id: str | None = None,
+        block_ids: tuple[int, ...] = (),
+        num_prompt_tokens: int = -1,
+    ) -> None:
+        """Start holding a request's blocks until its readers are done (or time runs out)."""
+        self._hold(transfer_id, request_id, tuple(block_ids), num_prompt_tokens)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _hold(
+        self,
+        transfer_id: str,
+        request_id: str | None,
+        block_ids: tuple[int, ...],
+        num_prompt_tokens: int,
+    ) -> None:
+        request_id = transfer_id if request_id is None else request_id
+        readers = set(self._topology.readers_of(self._rank, request_seed(transfer_id)))
+        with self._lock:
+            held = self._held.get(transfer_id)
+            owner = held.request_id if held is not None else None
+            if transfer_id in self._released:
+                owner = self._released[transfer_id][0]
+            if owner is not None:
+                if owner != request_id:
+                    # A reused transfer id: decode could not tell the two apart, so nobody
+                    # reads this one; free it now rather than hold it until the deadline.
+                    logger.warning(
+                        "request %s reuses transfer id %s; its KV is not handed off",
+                        request_id,
+                        transfer_id,
+                    )
+                    self._finished.add(request_id)
+                    self._news.notify_all()
+                return
+            early, _ = self._early.pop(transfer_id, (set(), 0.0))
+            readers -= early
+            if not readers:
+                self._release(transfer_id, request_id)
+                return
+            now = self._clock()
+            self._held[transfer_id] = _Held(
+                request_id,
+                readers,
+                now + self._timeout,
+                block_ids,
+                num_prompt_tokens,
+                hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
+            )
+
+    def drop(self, transfer_id: str) -> None:
+        """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
+        with self._lock:
+            if transfer_id not in self._held:
+                self._early.pop(transfer_id, None)
+                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+                self._released.setdefault(transfer_id, ("", forget))
+        if self.on_change is not None:
+            self.on_change()
+
+    def claim(
+        self,
+        transfer_id: str,
+        decode_rank: int,
+        num_prompt_tokens: int = -1,
+        decode_tp: int = -1,
+        reader: str = "",
+    ) -> ClaimReply:
+        """Grant (or renew) a read lease with the prompt's block ids, or say why not.
+
+        A rank's lease is bound to the first ``reader`` it is granted to; another is refused. A
+        reader whose decode TP differs from this rank's configuration reads other heads than
+        this rank expects (and other ranks than would read): refused, and the hold is freed at
+        once, since the readers this rank waits for will never all come."""
+        now = self._clock()
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None:
+                if transfer_id in self._released:
+                    return ClaimReply(
+                        "refused", reason="its blocks were already released (or prefill failed)"
+                    )
+                return ClaimReply("pending", reason="prefill has not finished it yet")
+            if held.lessees.get(decode_rank, reader) != reader:
+                return ClaimReply(
+                    "refused", reason=f"decode rank {decode_rank}'s lease is held by another reader"
+                )
+            if decode_tp >= 0 and decode_tp != self._topology.decode_tp:
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id)
+                return ClaimReply(
+                    "refused",
+                    reason=f"the decode instance runs TP {decode_tp}, but this prefill instance "
+                    f"is configured for decode TP {self._topology.decode_tp}: set "
+                    f"kv_connector_extra_config's decode.tp_size alike on both",
+                )
+            if decode_rank not in held.readers_left:
+                return ClaimReply("refused", reason=f"decode rank {decode_rank} is not a reader")
+            known = num_prompt_tokens >= 0 and held.num_prompt_tokens >= 0
+            if known and num_prompt_tokens != held.num_prompt_tokens:
+                return ClaimReply(
+                    "refused",
+                    reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
+                    f"decode request has {num_prompt_tokens}: the prompts differ",
+                )
+            held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
+            if held.deadline <= now:
+                return ClaimReply(
+                    "refused",
+                    reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
+                    f"longest any transfer is held",
+                )
+            if reader:
+                held.lessees[decode_rank] = reader
+            return ClaimReply(
+                "granted",
+                lease_s=held.deadline - now,
+                block_ids=list(held.block_ids),
+                num_prompt_tokens=held.num_prompt_tokens,
+            )
+
+    def read_done(
+        self, transfer_id: str, decode_rank: int, success: bool, reader: str = ""
+    ) -> bool:
+        """A decode rank is done with a transfer; False (and ignored) when that rank's lease was
+        granted to another reader."""
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is not None and held.lessees.get(decode_rank, reader) != reader:
+                return False
+            if held is None:
+                if transfer_id in self._released:
+                    return True
+                if transfer_id not in self._early and len(self._early) >= MAX_EARLY_NOTICES:
+                    self.num_ignored_notices += 1
+                    if self.num_ignored_notices % 1000 == 1:
+                        logger.warning(
+                            "%d read-done notices for requests this rank never held were "
+                            "ignored (more than %d pending): a misbehaving or hostile peer?",
+                            self.num_ignored_notices,
+                            MAX_EARLY_NOTICES,
+                        )
+                    return True
+                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+                early, _ = self._early.setdefault(transfer_id, (set(), forget))
+                early.add(decode_rank)
+                return True
+            held.readers_left.discard(decode_rank)
+            if not success:
+                held.failed_readers.add(decode_rank)
+            if not held.readers_left:
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id)
+        return True
+
+    def _release(self, transfer_id: str, request_id: str) -> None:
+        """Report the request finished (caller holds the lock) and refuse later claims."""
+        self._finished.add(request_id)
+        self._news.notify_all()
+        self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks can be freed now; expires overdue ones first."""
+        now = self._clock()
+        with self._lock:
+            for transfer_id, held in list(self._held.items()):
+                if held.deadline <= now:
+                    del self._held[transfer_id]
+                    self._release(transfer_id, held.request_id)
+                    self.num_expired += 1
+                    logger.warning(
+                        "released KV blocks of request %s after its deadline: decode rank(s) %s "
+                        "never finished reading",
+                        held.request_id,
+                        sorted(held.readers_left),
+                    )
+            for memory in (self._early, self._released):
+                for transfer_id, (_, forget_at) in list(memory.items()):
+                    if forget_at <= now:
+                        del memory[transfer_id]
+            finished, self._finished = self._finished, set()
+        return finished
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` while blocks are held and none can be freed yet (or until
+        the soonest deadline), so an engine that only holds blocks for readers does not spin."""
+        with self._news:
+            if not self._held or self._finished:
+                return
+            soonest = min(held.deadline for held in self._held.values())
+            self._news.wait(max(0.0, min(timeout_s, soonest - self._clock())))
+
+    def take_expired_count(self) -> int:
+        """Releases by timeout since the last call (for stats)."""
+        with self._lock:
+            count = self.num_expired - self._expired_reported
+            self._expired_reported = self.num_expired
+        return count
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class PrefillSender:
+    """A prefill worker's side-channel service: metadata, read leases, read-done bookkeeping."""
+
+    def __init__(
+        self,
+        metadata: WorkerMetadata,
+        tracker: SendTracker,
+        host: str,
+        port: int,
+        secret: bytes | None = None,
+    ) -> None:
+        self.metadata = metadata
+        self.tracker = tracker
+        self._server = SideChannelServer(
+            host, port, self._handle, name=f"vam-sender-{port}", secret=secret
+        )
+        tracker.on_change = self._server.wake
+
+    def _stale(self, incarnation: str) -> ErrorReply | None:
+        if incarnation == self.metadata.incarnation:
+            return None
+        return ErrorReply(
+            f"addressed to incarnation {incarnation} but this worker is "
+            f"{self.metadata.incarnation} (it restarted; its KV is gone)"
+        )
+
+    def _handle(self, message: Message) -> Message | Park:
+        if isinstance(message, GetMetadata):
+            return self.metadata
+        if isinstance(message, ClaimRead):
+            stale = self._stale(message.incarnation)
+            if stale is not None:
+                return stale
+            reply = self.tracker.claim(
+                message.request_id,
+                message.decode_rank,
+                message.num_prompt_tokens,
+                message.decode_tp,
+                message.reader,
+            )
+            if reply.status == "pending" and message.wait_s > 0:
+                # Answer when prefill registers the request (a hold wakes the server), not later.
+                wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
+                return Park(time.monotonic() + wait_s, reply)
+            return reply
+        if isinstance(message, ReadDone):
+            stale = self._stale(message.incarnation)
+            if stale is not None:
+                return stale
+            if not message.success:
+                logger.warning(
+                    "decode rank %d failed to read request %s: %s",
+                    message.decode_rank,
+                    message.request_id,
+                    message.reason,
+                )
+            if not self.tracker.read_done(
+                message.request_id, message.decode_rank, message.success, message.reader
+            ):
+                logger.warning(
+                    "ignored a read-done notice for request %s, decode rank %d, from a reader "
+                    "the lease was not granted to",
+                    message.request_id,
+                    message.decode_rank,
+                )
+                return ErrorReply("this read lease was granted to another reader")
+            return Ack()
+        return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
+
+    def close(self) -> None:
+        self._server.close()

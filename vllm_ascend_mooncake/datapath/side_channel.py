@@ -1,0 +1,303 @@
+"""The ZMQ side channel: a prefill worker's server thread and the decode side's client.
+
+The server (a ROUTER socket on ``host:port``) answers metadata requests and receives read-done
+notifications; a malformed or hostile message gets an error reply and never stops the thread. A
+handler may :class:`Park` a request it cannot answer yet (a read claim for a request prefill is
+still computing): the server asks the handler again whenever :meth:`SideChannelServer.wake` is
+called, and sends the park's fallback reply at its deadline. The peer thus gets its answer the
+moment there is one, without polling. The client uses one DEALER socket per peer and thread,
+with a timeout on every exchange; after a timeout the socket is dropped so a late reply cannot be
+mistaken for the next answer.
+
+With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
+both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
+replies keyed apart: a server refuses a request without a valid one (and logs it), a client
+refuses such a reply. It authenticates; it does not encrypt, and a captured message replayed on
+the network only repeats what its sender asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from ..log import get_logger
+from .wire import (
+    MAX_MESSAGE_BYTES,
+    ErrorReply,
+    GetMetadata,
+    Message,
+    WireError,
+    bounded_text,
+    decode,
+    encode,
+)
+
+logger = get_logger(__name__)
+
+
+class SideChannelError(RuntimeError):
+    """A side-channel exchange with a peer failed or timed out."""
+
+
+class PeerRefused(SideChannelError):
+    """The peer answered, with an error: asking again will not help."""
+
+
+class FrameSigner:
+    """HMAC-SHA256 of each side-channel message under a secret both sides share."""
+
+    _REQUEST, _REPLY = b"vam-request\0", b"vam-reply\0"
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def sign_request(self, payload: bytes) -> bytes:
+        return self._mac(self._REQUEST, payload)
+
+    def sign_reply(self, payload: bytes) -> bytes:
+        return self._mac(self._REPLY, payload)
+
+    def request_is_genuine(self, payload: bytes, mac: bytes | None) -> bool:
+        return mac is not None and hmac.compare_digest(mac, self.sign_request(payload))
+
+    def reply_is_genuine(self, payload: bytes, mac: bytes | None) -> bool:
+        return mac is not None and hmac.compare_digest(mac, self.sign_reply(payload))
+
+    def _mac(self, direction: bytes, payload: bytes) -> bytes:
+        return hmac.new(self._secret, direction + payload, hashlib.sha256).digest()
+
+
+def zmq_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Park:
+    """A handler's "not yet": handle the message again on the next wake, and answer
+    ``reply_at_deadline`` if it is still parked at ``deadline`` (``time.monotonic``)."""
+
+    deadline: float
+    reply_at_deadline: Message
+
+
+Handler = Callable[[Message], "Message | Park"]
+
+#: Parked requests beyond this many are answered with their fallback at once (hostile peers).
+MAX_PARKED = 4096
+_POLL_MS = 100
+
+
+class SideChannelServer:
+    """Serves one worker's side channel on a background thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        name: str = "vam-side-channel",
+        secret: bytes | None = None,
+    ):
+        self._signer = FrameSigner(secret) if secret else None
+        self._unauthenticated = 0
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # A larger frame makes ZMQ drop that peer's connection before buffering it.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if ":" in host:
+            self._socket.setsockopt(zmq.IPV6, 1)
+        try:
+            self._socket.bind(zmq_address(host, port))
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            raise SideChannelError(
+                f"cannot bind the KV side channel on {host}:{port} ({exc}); choose another "
+                f"side_channel_port in kv_connector_extra_config"
+            ) from exc
+        self.address = (host, port)
+        self._handler = handler
+        self._parked: list[tuple[bytes, Message, Park]] = []
+        wake_address = f"inproc://vam-wake-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PULL)
+        self._wake_in.bind(wake_address)
+        self._wake_out = self._context.socket(zmq.PUSH)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake_address)
+        self._wake_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Ask the handler again about every parked request (thread-safe, cheap)."""
+        with self._wake_lock:
+            if not self._stop.is_set():
+                with contextlib.suppress(zmq.Again):  # wakes are queued already: one is enough
+                    self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def _answer(self, identity: bytes, message: Message, parked: Park | None = None) -> None:
+        try:
+            reply = self._handler(message)
+        except Exception as exc:  # a handler bug must not kill the server thread
+            logger.exception("side channel handler failed")
+            reply = ErrorReply(bounded_text(f"internal error: {exc}"))
+        if isinstance(reply, Park):
+            park = parked or reply
+            if time.monotonic() < park.deadline and (parked or len(self._parked) < MAX_PARKED):
+                self._parked.append((identity, message, park))
+                return
+            reply = park.reply_at_deadline
+        self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: Message) -> None:
+        payload = encode(reply)
+        frames = [identity, b"", payload]
+        if self._signer is not None:
+            frames.append(self._signer.sign_reply(payload))
+        self._socket.send_multipart(frames)
+
+    def _authentic(self, payload: bytes, mac: bytes | None) -> bool:
+        if self._signer is None or self._signer.request_is_genuine(payload, mac):
+            return True
+        self._unauthenticated += 1
+        if self._unauthenticated % 100 == 1:
+            logger.warning(
+                "side channel %s:%d refused %d unauthenticated message(s): the peer has no "
+                "side-channel secret or another one (set the same side_channel_secret, or "
+                "VAM_SIDE_CHANNEL_SECRET, on prefill and decode)",
+                *self.address,
+                self._unauthenticated,
+            )
+        return False
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while not self._stop.is_set():
+            timeout_ms = _POLL_MS
+            if self._parked:
+                soonest = min(park.deadline for _, _, park in self._parked)
+                timeout_ms = max(0, min(timeout_ms, int((soonest - time.monotonic()) * 1000) + 1))
+            events = dict(poller.poll(timeout_ms))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+            if self._parked and (self._wake_in in events or timeout_ms < _POLL_MS):
+                parked, self._parked = self._parked, []
+                for identity, message, park in parked:
+                    self._answer(identity, message, park)
+            if self._socket not in events:
+                continue
+            frames = self._socket.recv_multipart()
+            if len(frames) not in (3, 4) or frames[1] != b"":
+                logger.warning("side channel dropped a message with %d frame(s)", len(frames))
+                continue
+            identity, payload = frames[0], frames[2]
+            if not self._authentic(payload, frames[3] if len(frames) == 4 else None):
+                self._send(identity, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
+                continue
+            try:
+                message = decode(payload)
+            except WireError as exc:
+                logger.warning("side channel rejected a message: %s", exc)
+                self._send(identity, ErrorReply(bounded_text(str(exc))))
+                continue
+            self._answer(identity, message)
+        self._socket.close()
+        self._wake_in.close()
+
+    def close(self) -> None:
+        with self._wake_lock:
+            self._stop.set()
+            self._wake_out.close()
+        self._thread.join(timeout=5)
+
+
+class SideChannelClient:
+    """Request/response exchanges with peers' side channels.
+
+    Each thread has its own socket per peer, so a claim the peer holds open (long poll) never
+    delays another thread's exchange with that peer.
+    """
+
+    def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
+        self._signer = FrameSigner(secret) if secret else None
+        self._context = zmq.Context.instance()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._local = threading.local()
+        self._all_sockets: set[zmq.Socket] = set()
+        self._guard = threading.Lock()
+
+    def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
+        sockets: dict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault("sockets", {})
+        sock = sockets.get(peer)
+        if sock is None:
+            host, port = peer
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(zmq_address(host, port))
+            sockets[peer] = sock
+            with self._guard:
+                self._all_sockets.add(sock)
+        return sock
+
+    def _drop(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
+        """Forget a socket after a failed exchange, so a late reply cannot answer the next one."""
+        self._local.sockets.pop(peer, None)
+        with self._guard:
+            self._all_sockets.discard(sock)
+        sock.close()
+
+    def request(self, host: str, port: int, message: Message) -> Message:
+        """Send ``message`` and return the reply; raises :class:`SideChannelError`."""
+        peer = (host, port)
+        sock = self._socket(peer)
+        try:
+            payload = encode(message)
+            frames = [b"", payload]
+            if self._signer is not None:
+                frames.append(self._signer.sign_request(payload))
+            sock.send_multipart(frames)
+            if not sock.poll(self._timeout_ms, zmq.POLLIN):
+                raise SideChannelError(f"no reply from {host}:{port} within {self._timeout_ms} ms")
+            frames = sock.recv_multipart()
+            if len(frames) not in (2, 3) or frames[0] != b"":
+                raise SideChannelError(f"malformed reply from {host}:{port}")
+            mac = frames[2] if len(frames) == 3 else None
+            if self._signer is not None and not self._signer.reply_is_genuine(frames[1], mac):
+                raise PeerRefused(
+                    f"{host}:{port} answered without a valid side-channel MAC: it has no "
+                    f"side-channel secret or another one"
+                )
+            reply = decode(frames[1])
+        except (SideChannelError, WireError, zmq.ZMQError) as exc:
+            self._drop(peer, sock)
+            if isinstance(exc, SideChannelError):
+                raise
+            raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
+        if isinstance(reply, ErrorReply):
+            raise PeerRefused(f"{host}:{port} refused {type(message).__name__}: {reply.message}")
+        return reply
+
+    def fetch_metadata(self, host: str, port: int) -> Message:
+        return self.request(host, port, GetMetadata())
+
+    def close(self) -> None:
+        """Close every thread's sockets (call once the threads that used them are done)."""
+        with self._guard:
+            for sock in self._all_sockets:
+                sock.close()
+            self._all_sockets.clear()

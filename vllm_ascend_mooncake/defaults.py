@@ -1,0 +1,65 @@
+"""Every default of ``kv_connector_extra_config``, defined once.
+
+The configuration (:mod:`.connector.config`) applies them to the keys a user leaves out, and the
+option objects of the lower layers (``core.plan.PlanOptions``,
+``datapath.receiver.ReceiverOptions``, the transport) take theirs from here too, so the layers
+agree without importing upward.
+``docs/configuration.md`` shows them; ``tests/connector/test_config_docs.py`` checks that it does.
+This module imports nothing.
+"""
+
+#: What moves the bytes (``transport``): ``datapath.transport.TRANSPORTS`` lists the choices.
+DEFAULT_TRANSPORT = "mooncake"
+#: Mooncake transports accepted as ``protocol``.
+PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
+#: ``protocol`` per device type when the configuration does not name one ...
+DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
+#: ... and for any other device type.
+FALLBACK_PROTOCOL = "tcp"
+#: How reads wait for completion (``read_wait``): see :mod:`.engine`.
+READ_WAITS = ("poll", "sync")
+DEFAULT_DEVICE_NAME = ""
+DEFAULT_SIDE_CHANNEL_PORT = 36100
+DEFAULT_RELEASE_TIMEOUT_S = 120.0
+DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
+DEFAULT_CLAIM_WAIT_S = 10.0
+DEFAULT_PREFILL_WAIT_S = 120.0
+DEFAULT_READ_RETRIES = 1
+DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
+#: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.
+TCP_MAX_DESCRIPTOR_KIB = 1024
+DEFAULT_COALESCE_RUNS = True
+#: ``block_reads_from_kib`` over tcp; 0 (never) on other transports.
+TCP_BLOCK_READS_FROM_KIB = 256
+DEFAULT_RECEIVER_THREADS = 4
+DEFAULT_STAGING_BUFFER_MIB = 64
+#: The longest a prefill may hold a decode's pending claim open (long poll), at most half of
+#: ``side_channel_timeout_s`` (:attr:`ConnectorConfig.claim_park_s`).
+DEFAULT_CLAIM_PARK_S = 1.0
+#: In an engine step that runs no tokens, how long a worker waits for a transfer to end. vLLM
+#: steps in a loop while a request only waits for KV (decode) or holds blocks for readers
+#: (prefill); each step costs the engine core and the workers CPU (and a shared-memory
+#: busy-wait), which on hosts where instances share cores is taken from the other instance's
+#: forward. A transfer that ends wakes the wait at once; a request arriving meanwhile waits for
+#: the step to end, so this bounds that delay too.
+DEFAULT_IDLE_STEP_WAIT_MS = 10.0
+
+
+def default_protocol(device_type: str) -> str:
+    """``protocol`` when the configuration does not name one."""
+    return DEFAULT_PROTOCOLS.get(device_type, FALLBACK_PROTOCOL)
+
+
+def default_read_wait(protocol: str) -> str:
+    """``read_wait`` when the configuration does not say: ``poll`` over tcp, else ``sync``."""
+    return "poll" if protocol == "tcp" else "sync"
+
+
+def default_max_descriptor_kib(protocol: str) -> int:
+    """``max_descriptor_kib`` when the configuration does not say."""
+    return TCP_MAX_DESCRIPTOR_KIB if protocol == "tcp" else 0
+
+
+def default_block_reads_from_kib(protocol: str) -> int:
+    """``block_reads_from_kib`` when the configuration does not say."""
+    return TCP_BLOCK_READS_FROM_KIB if protocol == "tcp" else 0
