@@ -125,10 +125,19 @@ class Prefill:
 class Decode:
     """One decode rank: a real Receiver reading into a CPU cache through its own transport."""
 
-    def __init__(self, topo, rank, token_major, options: ReceiverOptions, staging=True) -> None:
+    def __init__(
+        self,
+        topo,
+        rank,
+        token_major,
+        options: ReceiverOptions,
+        staging=True,
+        staging_bytes=1 << 16,
+        memory_type=LocalMemory,
+    ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank)
         self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, seed=100 + rank)
-        self.staging = torch.zeros(1 << 16, dtype=torch.uint8)
+        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         self.transport = InProcessTransport()
         self.transport.register(storage_ranges([self.cache.raw, self.staging]))
         self.snapshot = self.cache.bytes.copy()
@@ -136,12 +145,13 @@ class Decode:
         meta = metadata("decode", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
         self.peers = PeerDirectory(self.client, meta, topo)
         pool = StagingPool([StagingArea(self.staging.data_ptr(), self.staging.numel())])
+        self.memory = memory_type.from_tensors([self.cache.raw, self.staging])
         self.receiver = Receiver(
             self.transport,
             topo,
             rank,
             self.cache.regions,
-            LocalMemory.from_tensors([self.cache.raw, self.staging]),
+            self.memory,
             self.peers,
             self.client,
             options,
@@ -408,3 +418,98 @@ def test_the_fake_transport_refuses_reads_outside_registered_memory() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+class QueuedFixupMemory(LocalMemory):
+    """A fake asynchronous device (there is no accelerator here): the fix-ups the receiver queues
+    run only when it fences, as copies queued on a GPU or NPU stream run later. A fix-up that
+    reads staging bytes after the next read overwrote them, or blocks reported before it ran,
+    then shows as wrong bytes."""
+
+    def __init__(self, buffers) -> None:
+        super().__init__(buffers)
+        self.queued: list = []
+        self.fences = 0
+
+    def fence(self) -> None:
+        self.fences += 1
+        queued, self.queued = self.queued, []
+        for run in queued:
+            run()
+
+
+@pytest.fixture
+def queued_fixups(monkeypatch):
+    """The receiver's fix-ups queue on a :class:`QueuedFixupMemory` instead of running."""
+    from vllm_ascend_mooncake.datapath import receiver as receiver_module
+
+    def queueing(run_now):
+        def queue(memory, fixups):
+            if isinstance(memory, QueuedFixupMemory):
+                memory.queued.append(lambda: run_now(memory, fixups))
+            else:
+                run_now(memory, fixups)
+
+        return queue
+
+    for name in ("apply_row_copies", "apply_swaps"):
+        monkeypatch.setattr(receiver_module, name, queueing(getattr(receiver_module, name)))
+
+
+def test_staged_row_copies_run_before_the_next_read_reuses_the_staging_area(
+    cluster, queued_fixups
+) -> None:
+    # 2 KiB of staging holds two prefill blocks (2 heads x 16 tokens x 32 B): the 6 staged blocks
+    # (3 per layer) take three reads into the same bytes.
+    c = cluster(
+        4,
+        prefill_tp=2,
+        decode_tp=4,
+        token_major=True,
+        staging_bytes=2048,
+        memory_type=QueuedFixupMemory,
+    )
+    local, remote = [5, 0, 6], [1, 8, 9]
+    c.pull("r1", local, remote)
+    for decode in c.decode:
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed
+        assert decode.transport.num_reads >= 3  # the staging area was reused
+        assert decode.memory.queued == []  # nothing left queued when reported
+        decode.check_blocks(c.ref, local, remote)
+
+
+def test_swaps_have_run_when_a_merged_pull_is_reported(cluster, queued_fixups) -> None:
+    c = cluster(4, prefill_tp=2, decode_tp=1, memory_type=QueuedFixupMemory)
+    (decode,) = c.decode
+    local, remote = [3, 4, 5, 9], [6, 7, 8, 2]  # a coalesced run: fixed up by swaps
+    c.pull("r1", local, remote)
+    decode.wait(["r1"])
+    assert decode.done == {"r1"} and not decode.failed
+    assert decode.memory.fences >= 1 and decode.memory.queued == []
+    decode.check_blocks(c.ref, local, remote)  # before anyone else fences
+
+
+def test_fence_waits_for_nothing_on_cpu() -> None:
+    memory = LocalMemory.from_tensors([torch.zeros(64, dtype=torch.uint8)])
+    memory.fence()  # CPU ops have finished when they return: nothing to wait for
+    assert memory._devices == []
+
+
+def test_fence_waits_for_the_threads_current_stream_of_the_device(monkeypatch) -> None:
+    # No accelerator here: torch.cuda's stream lookup is replaced, the device object is real.
+    from vllm_ascend_mooncake.core.relayout import wait_for_device
+
+    synchronized = []
+
+    class Stream:
+        def __init__(self, device) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            synchronized.append(self.device)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide sync"))
+    wait_for_device(torch.device("cuda", 1))
+    assert synchronized == [torch.device("cuda", 1)]

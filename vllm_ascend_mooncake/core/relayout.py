@@ -7,6 +7,14 @@ independent of dtype and of how the engine views the cache.
 A device may provide a faster kernel for swaps (vllm-ascend ships a fused NPU transpose): register
 it with :func:`register_swap_fast_path`. It is used only where its ``supports`` check accepts the
 memory, and tests hold it to the torch path, which stays the oracle.
+
+Ordering contract. On an accelerator, :func:`apply_row_copies` and :func:`apply_swaps` only
+*queue* their copies on the calling thread's current stream and return before they ran, while the
+transport writes memory outside any stream (RDMA, the NPU's DMA engines) and vLLM reads it from its
+own stream. So the caller must call :meth:`LocalMemory.fence` after queuing fix-ups and before
+(1) their source bytes may be overwritten (a staging area read again by the next batch, or handed
+to another request), and (2) their destination blocks are reported loaded to vLLM. On CPU every op
+has finished when it returns and the fence costs nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +32,22 @@ if TYPE_CHECKING:
     import torch
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Block until the work this thread queued on ``device``'s current stream has finished.
+
+    Waits on the calling thread's stream only (the one the fix-ups were queued on), not on the
+    whole device, so vLLM's forward on another stream is not waited for."""
+    if device.type == "cpu":
+        return
+    import torch
+
+    module = getattr(torch, device.type, None)  # torch.cuda; torch.npu once torch_npu is loaded
+    if module is not None and hasattr(module, "current_stream"):
+        module.current_stream(device).synchronize()
+    else:
+        torch.accelerator.current_stream(device).synchronize()
+
+
 class LocalMemory:
     """Flat ``uint8`` tensors over this process's registered storages, found by address."""
 
@@ -32,9 +56,17 @@ class LocalMemory:
         self._bases = [t.data_ptr() for t in ordered]
         self._buffers = ordered
         self._scratch = threading.local()
+        # Devices whose queued work a fence waits for (CPU ops are done when they return).
+        self._devices = list({t.device: None for t in ordered if t.device.type != "cpu"})
         for prev, nxt in itertools.pairwise(ordered):
             if prev.data_ptr() + prev.numel() > nxt.data_ptr():
                 raise ValueError("local memory buffers overlap; register each storage once")
+
+    def fence(self) -> None:
+        """Wait until every fix-up this thread queued on this memory has run (see the module's
+        ordering contract); a no-op for memory on CPU."""
+        for device in self._devices:
+            wait_for_device(device)
 
     @classmethod
     def from_tensors(cls, tensors: Iterable[torch.Tensor]) -> LocalMemory:
@@ -139,7 +171,8 @@ def swap_axes_torch(memory: LocalMemory, swap: SwapAxes) -> None:
 
 
 def apply_swaps(memory: LocalMemory, swaps: Sequence[SwapAxes]) -> None:
-    """Run a request's fix-ups in place. Call only after every pull of the request landed."""
+    """Queue a request's fix-ups, in place. Call only after every pull of the request landed,
+    and :meth:`LocalMemory.fence` before the request is reported loaded."""
     for swap in swaps:
         if not len(swap.addrs):
             continue
@@ -153,7 +186,8 @@ def apply_swaps(memory: LocalMemory, swaps: Sequence[SwapAxes]) -> None:
 
 
 def apply_row_copies(memory: LocalMemory, copies: Sequence[RowCopies]) -> None:
-    """Copy rows out of a staging buffer into KV blocks (source and destination never overlap)."""
+    """Queue row copies out of a staging buffer into KV blocks (source and destination never
+    overlap); :meth:`LocalMemory.fence` before the staging bytes are written again or released."""
     for group in copies:
         for src, dst in zip(group.src_addrs.tolist(), group.dst_addrs.tolist(), strict=True):
             source = memory.rows(src, group.rows, group.src_stride, group.row_bytes)

@@ -497,7 +497,10 @@ class Receiver:
             self._claim(pull, peer)  # waited long in the queue: renew before reading
         for batch in peer_plan.batches:
             self._read_batch(peer.transport_session, batch)
-            apply_row_copies(self._memory, batch.after_landing)
+            if batch.after_landing:
+                apply_row_copies(self._memory, batch.after_landing)
+                # The next batch's read reuses the staging bytes these copies read.
+                self._memory.fence()
         lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
         if time.monotonic() > lease_end:
             raise RuntimeError(
@@ -539,6 +542,9 @@ class Receiver:
         try:
             if state.failure is None:
                 apply_swaps(self._memory, state.plan.fixups)
+            # Queued fix-ups run before the blocks are reported loaded and before the staging
+            # area goes to another request (relayout's ordering contract).
+            self._memory.fence()
         except Exception as exc:
             state.failure = f"fix-up failed: {exc}"
             logger.exception("request %s: KV fix-up failed", state.pull.request_id)
