@@ -193,6 +193,20 @@ def test_decode_full_hit_still_releases_the_prefill_blocks() -> None:
     assert pull.local_block_ids == () and pull.transfer_id == "p-1"
 
 
+@pytest.mark.parametrize("prefill_tp", [1, 2, 4, 8])
+def test_decode_reads_a_prefill_of_any_tp_it_pairs_with(prefill_tp: int) -> None:
+    """Configured for prefill TP 2, a decode instance also takes prefills of other sizes: the
+    pull carries the size its params name."""
+    d = scheduler("kv_consumer")
+    params = prefill_params(64)
+    params["remote_tp_size"] = prefill_tp
+    req = request("d-tp", 64, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (64, True)
+    d.update_state_after_alloc(req, blocks([5, 6]), 64)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.remote_tp_size == prefill_tp and pull.local_block_ids == (5, 6)
+
+
 def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
     d = scheduler("kv_consumer")
     req = request("d-4", 70, prefill_params(70))
@@ -208,7 +222,8 @@ def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
         (lambda p: p.update(remote_block_ids=[1, 2]), True),  # wrong count for the prompt
         (lambda p: p.update(remote_block_ids=[-1, 2, 3]), True),
         (lambda p: p.update(remote_port=70000), False),
-        (lambda p: p.update(remote_tp_size=4), True),
+        (lambda p: p.update(remote_tp_size=3), True),  # does not divide the 4 KV heads
+        (lambda p: p.update(remote_tp_size=1 << 20), True),  # beyond any TP size
         (lambda p: p.update(remote_num_tokens=71), True),
         (lambda p: p.pop("remote_engine_id"), False),
         (lambda p: p.update(remote_host=""), False),

@@ -21,6 +21,7 @@ from vllm_ascend_mooncake.connector.wiring import (
     prefill_settings,
     receiver_options,
 )
+from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
@@ -68,15 +69,27 @@ def test_every_receiver_key_reaches_the_receiver_in_bytes_and_seconds() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "stages"),
-    [(2, 1, False), (1, 1, False), (1, 2, True), (2, 4, True), (4, 8, False)],
+    ("decode_tp", "local_heads", "head_major", "stages"),
+    [
+        (1, 4, False, False),  # a decode rank holds every head: no prefill TP gives it a slice
+        (2, 2, False, True),  # token-major blocks: a prefill TP 1 rank's slice is staged
+        (2, 2, True, False),  # head-major blocks with 2 heads: slices are read in place
+        (4, 1, True, True),  # one head per block: the prefill's block order decides
+        (8, 1, False, True),  # heads replicated on decode: still a slice of a TP 1 prefill
+        (2, None, False, True),  # layout unknown: allocated whenever a prefill TP could stage
+    ],
 )
-def test_staging_buffer_only_when_a_decode_rank_reads_part_of_a_prefill_rank(
-    prefill_tp: int, decode_tp: int, stages: bool
+def test_staging_buffer_only_when_some_prefill_tp_makes_a_decode_rank_read_a_slice(
+    decode_tp: int, local_heads: int | None, head_major: bool, stages: bool
 ) -> None:
-    # 4 KV heads: TP 8 replicates heads, so each rank holds one whole head on both sides.
-    cfg = config(prefill_tp, decode_tp, staging_buffer_mib=3)
-    assert decode_settings(cfg).staging_bytes == (3 * MIB if stages else 0)
+    # 4 KV heads; the configured prefill TP does not matter: any prefill TP may feed decode.
+    cfg = config(2, decode_tp, staging_buffer_mib=3)
+    local = None
+    if local_heads is not None:
+        order = BlockOrder.HEAD_MAJOR if head_major else BlockOrder.TOKEN_MAJOR
+        block_len = local_heads * 32 * 256
+        local = RegionLayout(order, 8, block_len, local_heads, 32, 256)
+    assert decode_settings(cfg, local).staging_bytes == (3 * MIB if stages else 0)
 
 
 def test_prefill_settings_listen_on_the_ranks_port() -> None:

@@ -153,11 +153,15 @@ def test_forged_replayed_and_out_of_range_messages_free_nothing(prefill) -> None
     prefill.still_serves()
 
 
-def test_a_reader_of_another_decode_tp_is_refused_over_the_wire_naming_both(prefill) -> None:
-    prefill.tracker.hold("tp", block_ids=(3,), num_prompt_tokens=20)
-    claim = ClaimRead("tp", 0, INCARNATION, 20, reader=READER, decode_tp=1)
+@pytest.mark.parametrize("decode_tp", [3, 1 << 20])
+def test_a_reader_of_a_decode_tp_prefill_cannot_pair_with_is_refused_over_the_wire(
+    prefill, decode_tp: int
+) -> None:
+    transfer = f"tp-{decode_tp}"  # the prefill fixture serves the whole module
+    prefill.tracker.hold(transfer, block_ids=(3,), num_prompt_tokens=20)
+    claim = ClaimRead(transfer, 0, INCARNATION, 20, reader=READER, decode_tp=decode_tp)
     reply = prefill.client.request("127.0.0.1", prefill.port, claim)
-    assert reply.status == "refused" and "runs TP 1" in reply.reason
-    assert "decode TP 2" in reply.reason
-    assert "tp" in prefill.tracker.take_finished()  # freed at once, not at its timeout
+    assert reply.status == "refused" and f"runs TP {decode_tp}" in reply.reason
+    assert "prefill TP 1 cannot pair with it" in reply.reason
+    assert transfer in prefill.tracker.take_finished()  # freed at once, not at its timeout
     prefill.still_serves()

@@ -109,9 +109,9 @@ class Prefill:
         self.notices: list[tuple[str, int, bool]] = []  # read-done notices, as prefill saw them
         read_done = self.tracker.read_done
 
-        def record(transfer_id, decode_rank, success, reader=""):
+        def record(transfer_id, decode_rank, success, reader="", decode_tp=-1):
             self.notices.append((transfer_id, decode_rank, success))
-            return read_done(transfer_id, decode_rank, success, reader)
+            return read_done(transfer_id, decode_rank, success, reader, decode_tp)
 
         self.tracker.read_done = record
         meta = metadata("prefill", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
@@ -513,3 +513,59 @@ def test_fence_waits_for_the_threads_current_stream_of_the_device(monkeypatch) -
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("device-wide sync"))
     wait_for_device(torch.device("cuda", 1))
     assert synchronized == [torch.device("cuda", 1)]
+
+
+def test_one_decode_instance_reads_prefill_instances_of_two_tp_sizes(cluster) -> None:
+    """Configured for prefill TP 2, a decode rank also pulls from a TP 1 prefill: each request's
+    params name its prefill's size, and the topology for it is built at handshake."""
+    c = cluster(4, prefill_tp=2, decode_tp=1)
+    (decode,) = c.decode
+    local, remote = [3, 4, 5], [6, 7, 8]
+    c.pull("r1", local, remote)
+    decode.wait(["r1"])
+    decode.check_blocks(c.ref, local, remote)
+
+    other_topo = TransferTopology(4, 1, 1)
+    other_ref = ReferenceKV.random(LAYERS, PREFILL_BLOCKS, 4, BLOCK_SIZE, HEAD_TOKEN_BYTES, seed=9)
+    other_port = free_port_range(1)
+    other = Prefill(other_topo, 0, other_port, other_ref, token_major=False)
+    try:
+        other.tracker.hold("t-r2", request_id="r2", block_ids=(1, 2), num_prompt_tokens=100)
+        decode.snapshot = decode.cache.bytes.copy()
+        order = c.order("r2", [10, 11], [1, 2])
+        decode.receiver.submit(
+            PullOrder(**{**order.__dict__, "remote_port": other_port, "remote_tp_size": 1})
+        )
+        decode.wait(["r2"])
+        assert "r2" in decode.done and not decode.failed
+        decode.check_blocks(other_ref, [10, 11], [1, 2])
+        assert c.freed(other, "r2") and other.notices == [("t-r2", 0, True)]
+        # A request naming the wrong size for that prefill is refused, not read.
+        order = c.order("r3", [12], [3])
+        other.tracker.hold("t-r3", request_id="r3", block_ids=(3,), num_prompt_tokens=100)
+        decode.receiver.submit(
+            PullOrder(**{**order.__dict__, "remote_port": other_port, "remote_tp_size": 2})
+        )
+        decode.wait(["r3"])
+        assert "params name TP 2" in decode.failed["r3"].reason
+    finally:
+        other.close()
+
+
+def test_a_prefill_configured_for_decode_tp_2_serves_a_tp_1_decode(cluster) -> None:
+    """The prefill learns its readers from the first claim: a TP 1 decode reads it whole, and
+    it frees the blocks when that one reader is done (not at its timeout)."""
+    c = cluster(4, prefill_tp=1, decode_tp=2)  # the prefill rank expects decode ranks 0 and 1
+    (prefill,) = c.prefill
+    decode = Decode(TransferTopology(4, 1, 1), 0, False, FAST)
+    try:
+        local, remote = [2, 3], [4, 5]
+        c.hold("r1", remote)
+        decode.receiver.submit(c.order("r1", local, remote))
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed
+        decode.check_blocks(c.ref, local, remote)
+        assert c.freed(prefill, "r1", timeout_s=3.0)
+        assert prefill.notices == [("t-r1", 0, True)]
+    finally:
+        decode.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_ascend_mooncake.core.topology import TransferTopology, request_seed
 from vllm_ascend_mooncake.datapath import sender
 from vllm_ascend_mooncake.datapath.sender import MAX_HOLD_TIMEOUTS, SendTracker
@@ -180,15 +182,60 @@ def test_notices_for_requests_never_held_are_remembered_up_to_a_bound(monkeypatc
     assert t.take_finished() == {"made-up-3"}  # both readers' early notices were kept
 
 
-def test_a_reader_of_another_decode_tp_is_refused_naming_both_and_the_hold_freed() -> None:
-    t, _, _ = tracker(decode_tp=2)
+def test_the_first_reader_binds_the_transfer_to_its_decode_tp() -> None:
+    # Configured for decode TP 2 (readers 0 and 1); a TP 1 decode reads all 4 heads from rank 0.
+    t, _, _ = tracker(prefill_tp=1, decode_tp=2, heads=4)
     t.hold("r")
-    assert t.claim("r", 0, decode_tp=2).status == "granted"
-    reply = t.claim("r", 0, decode_tp=1)
+    assert t.claim("r", 0, decode_tp=1).status == "granted"
+    assert t.claim("r", 1, decode_tp=2).status == "refused"  # the TP 1 decode reads it now
+    reply = t.claim("r", 1, decode_tp=2)
+    assert "TP 1 reads this transfer already" in reply.reason and "runs TP 2" in reply.reason
+    assert t.read_done("r", 1, True, decode_tp=2) is False  # ignored: another TP's notice
+    assert t.take_finished() == set()  # still held for the TP 1 reader, not freed
+    assert t.read_done("r", 0, True, decode_tp=1) is True
+    assert t.take_finished() == {"r"}  # its only reader was done
+
+
+def test_readers_of_a_larger_decode_tp_are_waited_for() -> None:
+    # Configured for decode TP 1 (one reader); a TP 4 decode reads one head per rank.
+    t, _, _ = tracker(prefill_tp=1, decode_tp=1, heads=4)
+    t.hold("r")
+    for rank in range(4):
+        assert t.claim("r", rank, decode_tp=4).status == "granted"
+    for rank in range(3):
+        t.read_done("r", rank, True, decode_tp=4)
+        assert t.take_finished() == set()
+    t.read_done("r", 3, True, decode_tp=4)
+    assert t.take_finished() == {"r"}
+
+
+def test_early_notices_name_their_decode_tp() -> None:
+    t, _, _ = tracker(prefill_tp=1, decode_tp=2, heads=4)
+    assert t.read_done("r", 0, False, decode_tp=1) is True  # before prefill holds it
+    assert t.read_done("r", 1, False, decode_tp=2) is False  # another TP: not kept
+    t.hold("r")
+    assert t.take_finished() == {"r"}  # a TP 1 decode has one reader, and it was done
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "heads", "decode_tp", "why"),
+    [
+        (1, 4, 3, "prefill TP 1 cannot pair with it"),
+        (4, 2, 1, "replicates its 2 KV heads over TP 4 and serves only decode TP 2"),
+    ],
+)
+def test_a_reader_of_a_decode_tp_this_rank_cannot_serve_is_refused_and_the_hold_freed(
+    prefill_tp: int, heads: int, decode_tp: int, why: str
+) -> None:
+    t, _, topo = tracker(prefill_tp=prefill_tp, decode_tp=2, heads=heads)
+    # a transfer this rank is read for (a replica nobody reads is freed when held)
+    r = next(f"r{i}" for i in range(100) if topo.readers_of(0, request_seed(f"r{i}")))
+    t.hold(r)
+    reply = t.claim(r, 0, decode_tp=decode_tp)
     assert reply.status == "refused"
-    assert "runs TP 1" in reply.reason and "decode TP 2" in reply.reason
-    assert t.take_finished() == {"r"}  # rank 1 of a TP 2 decode would never come
-    assert t.claim("r", 0, decode_tp=2).status == "refused"
+    assert f"runs TP {decode_tp}" in reply.reason and why in reply.reason
+    assert t.take_finished() == {r}  # its readers would never all come: freed at once
+    assert t.claim(r, 0, decode_tp=2).status == "refused"
 
 
 def test_a_lease_is_bound_to_its_reader_and_nobody_else_can_end_it() -> None:

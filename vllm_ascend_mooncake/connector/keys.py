@@ -170,7 +170,7 @@ KEYS: tuple[Key, ...] = (
         dict,
         Computed("the local TP, DP 1"),
         "sizes of the prefill instance.",
-        "Both instances must agree. The local side's values must equal the engine's own "
+        "The local side's values must equal the engine's own "
         "`--tensor-parallel-size` / `--data-parallel-size`. A data-parallel prefill must "
         "declare its `dp_size`: vLLM runs each engine of a dense model as an independent DP 1 "
         "engine, so the connector learns the engine's rank from vLLM but the number of engines "
@@ -185,6 +185,12 @@ KEYS: tuple[Key, ...] = (
         dict,
         Computed("the local TP, DP 1"),
         "sizes of the decode instance.",
+        "The remote side's size is the one expected, not the only one served: a decode "
+        "instance reads prefill instances of any TP size it can pair with (each request's "
+        "params name its prefill's), and a prefill instance serves decode instances of any TP "
+        "size it can pair with (learned from the first claim of each transfer), except a "
+        "prefill that replicates KV heads (TP larger than the head count), which serves its "
+        "`decode.tp_size` only. The `prefill` sizes must still agree for `dp_size`.",
         own_check=True,
         type_markdown="same",
         allowed=_SIZES_ALLOWED,

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ..core.topology import Topologies, TopologyError
 from ..datapath.wire import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
 from ..datapath.wire import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
 
@@ -65,9 +66,12 @@ def transfer_id_of(params: dict[str, Any], default: str) -> str:
 
 
 def parse_remote_prefill(
-    params: dict[str, Any], *, prefill_tp: int, block_size: int, num_prompt_tokens: int
+    params: dict[str, Any], *, topologies: Topologies, block_size: int, num_prompt_tokens: int
 ) -> RemotePrefill:
-    """Validate decode-side params against this deployment and the request's own prompt."""
+    """Validate decode-side params against this deployment and the request's own prompt.
+
+    The prefill instance may run any TP size this decode instance can pair with
+    (``topologies``): a decode instance can be fed by prefill instances of several sizes."""
     try:
         parsed = msgspec.convert(params, RemotePrefill, strict=True)
     except msgspec.ValidationError as exc:
@@ -78,11 +82,13 @@ def parse_remote_prefill(
         raise InvalidTransferParams(
             "remote_host, remote_engine_id and remote_request_id are required"
         )
-    if parsed.remote_tp_size != prefill_tp:
+    try:
+        topologies.with_remote_tp(parsed.remote_tp_size)
+    except TopologyError as exc:
         raise InvalidTransferParams(
-            f"the prefill instance runs TP {parsed.remote_tp_size} but this decode instance is "
-            f"configured for prefill TP {prefill_tp}"
-        )
+            f"this decode instance cannot read a prefill instance of TP "
+            f"{parsed.remote_tp_size}: {exc}"
+        ) from exc
     if parsed.remote_block_ids is None:
         return parsed  # overlapped legs: prefill checks the prompt when decode claims the read
     if parsed.remote_num_tokens != num_prompt_tokens:

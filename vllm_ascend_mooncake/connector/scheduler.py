@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..core.topology import Topologies
 from ..datapath.orders import HoldOrder, PullOrder, StepOrders
 from ..log import get_logger
 from ..timeline import TimelineLog
@@ -54,6 +55,8 @@ def _cdiv(a: int, b: int) -> int:
 class ConnectorScheduler:
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
+        #: decode: the prefill TP sizes this instance can read (any that pairs with its own)
+        self._topologies = Topologies(config.topology(), local_is_decode=not config.is_producer)
         self._remote: dict[str, RemotePrefill] = {}
         self._orders = StepOrders()
         self._loading: set[str] = set()  # async loads vLLM waits for in finished_recving
@@ -100,7 +103,7 @@ class ConnectorScheduler:
         try:
             remote = parse_remote_prefill(
                 params,
-                prefill_tp=self.config.prefill.tp_size,
+                topologies=self._topologies,
                 block_size=self.config.block_size,
                 num_prompt_tokens=request.num_prompt_tokens,
             )
@@ -217,6 +220,7 @@ class ConnectorScheduler:
             remote_port=remote.remote_port,
             remote_engine_id=remote.remote_engine_id,
             num_prompt_tokens=request.num_prompt_tokens,
+            remote_tp_size=remote.remote_tp_size,
             arrived_at=arrived_at,
             admitted_at=admitted_at,
         )
@@ -331,7 +335,7 @@ class ConnectorScheduler:
         try:
             return parse_remote_prefill(
                 request.kv_transfer_params,
-                prefill_tp=self.config.prefill.tp_size,
+                topologies=self._topologies,
                 block_size=self.config.block_size,
                 num_prompt_tokens=request.num_prompt_tokens,
             )

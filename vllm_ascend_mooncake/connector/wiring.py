@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..core.layout import Region
+from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
@@ -94,8 +94,10 @@ def receiver_options(config: ConnectorConfig) -> ReceiverOptions:
     )
 
 
-def decode_settings(config: ConnectorConfig) -> DecodeSettings:
-    staging = may_need_staging(config.topology())
+def decode_settings(config: ConnectorConfig, local: RegionLayout | None = None) -> DecodeSettings:
+    """``local``: the layout of the worker's KV regions, which rules staging out when its blocks
+    are head-major (unknown: allocated whenever a prefill TP could need it)."""
+    staging = may_need_staging(config.topology(), local)
     return DecodeSettings(
         receiver=receiver_options(config),
         staging_bytes=config.staging_buffer_bytes if staging else 0,

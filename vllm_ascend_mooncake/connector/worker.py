@@ -99,8 +99,9 @@ class ConnectorWorker:
             )
             self.sender, metadata = side.sender, side.metadata
         else:
+            local = memory.regions[0].layout if memory.regions else None
             self._decode = build_decode_side(
-                who, topology, self.transport, memory, decode_settings(config)
+                who, topology, self.transport, memory, decode_settings(config, local)
             )
             self.receiver, metadata = self._decode.receiver, self._decode.metadata
         regions = memory.regions

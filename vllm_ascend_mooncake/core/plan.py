@@ -263,11 +263,16 @@ def needs_staging(local: RegionLayout, remote: RegionLayout, pull: HeadPull) -> 
     )
 
 
-def may_need_staging(topology: TransferTopology) -> bool:
-    """Whether any pull of this topology can need staging (:func:`needs_staging`), decided before
-    any peer's layout is known: only when a decode rank reads fewer heads than a prefill rank
-    holds. A decode worker allocates its staging buffer by this."""
-    return topology.decode_heads_per_rank < topology.prefill_heads_per_rank
+def may_need_staging(topology: TransferTopology, local: RegionLayout | None = None) -> bool:
+    """Whether any pull of this decode instance can need staging (:func:`needs_staging`),
+    decided before any peer is known: a decode instance may be fed by prefill instances of any
+    TP size it can pair with, so only when some prefill rank can hold more heads than a decode
+    rank reads (a decode rank holds fewer than all heads), and unless the local blocks are
+    head-major with several heads (which read slices in place). A decode worker allocates its
+    staging buffer by this."""
+    if topology.is_mla or topology.decode_heads_per_rank >= topology.heads:
+        return False
+    return local is None or local.num_heads == 1 or local.block_order is not BlockOrder.HEAD_MAJOR
 
 
 @dataclass

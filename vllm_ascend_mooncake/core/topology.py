@@ -204,5 +204,49 @@ class TransferTopology:
         )
 
 
+#: The largest remote TP size a peer may name: bounds what a peer can make an instance build.
+MAX_TP_SIZE = 1 << 12
+
+
+class Topologies:
+    """The topology for each remote TP size this instance meets, built once per size.
+
+    A decode instance may be fed by prefill instances of several TP sizes (each request names its
+    prefill's), and a prefill instance may be read by decode instances of several; the local side
+    is fixed. ``prefill_tp`` / ``decode_tp`` of the configuration give the first entry. A size
+    that cannot be paired with the local one raises :class:`TopologyError` naming both; sizes
+    are bounded by :data:`MAX_TP_SIZE`, so a peer cannot grow the cache without end.
+    """
+
+    def __init__(self, configured: TransferTopology, *, local_is_decode: bool) -> None:
+        self._configured = configured
+        self._local_is_decode = local_is_decode
+        self._by_remote_tp: dict[int, TransferTopology] = {self.remote_tp(configured): configured}
+
+    @property
+    def configured(self) -> TransferTopology:
+        return self._configured
+
+    def remote_tp(self, topology: TransferTopology) -> int:
+        return topology.prefill_tp if self._local_is_decode else topology.decode_tp
+
+    def with_remote_tp(self, remote_tp: int) -> TransferTopology:
+        """The topology pairing this instance with a peer instance of TP ``remote_tp``."""
+        topology = self._by_remote_tp.get(remote_tp)
+        if topology is not None:
+            return topology
+        if not 1 <= remote_tp <= MAX_TP_SIZE:
+            raise TopologyError(f"a remote TP size of {remote_tp} is outside 1..{MAX_TP_SIZE}")
+        c = self._configured
+        topology = TransferTopology(
+            c.num_kv_heads,
+            remote_tp if self._local_is_decode else c.prefill_tp,
+            c.decode_tp if self._local_is_decode else remote_tp,
+            is_mla=c.is_mla,
+        )
+        self._by_remote_tp[remote_tp] = topology  # a dict store: safe across threads
+        return topology
+
+
 def _overlaps(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop

@@ -30,6 +30,8 @@ class PullOrder:
     remote_port: int
     remote_engine_id: str | None = None
     num_prompt_tokens: int = -1
+    #: the prefill instance's TP size (its params say); None: the configured ``prefill.tp_size``
+    remote_tp_size: int | None = None
     #: wall-clock times vLLM received the request and admitted it for loading (timeline only)
     arrived_at: float = field(default=0.0, compare=False)
     admitted_at: float = field(default=0.0, compare=False)

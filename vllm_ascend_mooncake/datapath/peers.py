@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from ..core.layout import Region
-from ..core.topology import TransferTopology
+from ..core.topology import Topologies, TopologyError, TransferTopology
 from ..log import get_logger
-from .compat import check_peer
+from .compat import IncompatiblePeerError, check_peer
 from .side_channel import SideChannelClient, SideChannelError
 from .wire import WorkerMetadata
 
@@ -28,14 +28,16 @@ FETCH_BACKOFF_S = (0.2, 1.0, 0.0)
 
 @dataclass(frozen=True)
 class PrefillPeer:
-    """A prefill worker as decode reads it: its checked metadata and its regions, decoded once."""
+    """A prefill worker as decode reads it, decided once at handshake: its checked metadata, its
+    regions decoded, and the topology pairing its instance's TP size with this decode's."""
 
     metadata: WorkerMetadata
     regions: tuple[Region, ...]
+    topology: TransferTopology
 
     @classmethod
-    def of(cls, metadata: WorkerMetadata) -> PrefillPeer:
-        return cls(metadata, tuple(metadata.to_regions()))
+    def of(cls, metadata: WorkerMetadata, topology: TransferTopology) -> PrefillPeer:
+        return cls(metadata, tuple(metadata.to_regions()), topology)
 
     @property
     def transport_session(self) -> str:
@@ -58,7 +60,8 @@ class PeerDirectory:
     ) -> None:
         self._client = client
         self._local = local
-        self._topology = topology
+        #: one topology per prefill TP size met (``topology`` is the configured one)
+        self.topologies = Topologies(topology, local_is_decode=True)
         self._cache: dict[tuple[str, int], PrefillPeer] = {}
         self._lock = threading.Lock()
 
@@ -90,8 +93,15 @@ class PeerDirectory:
                 f"but the request expects engine {engine_id} incarnation {incarnation}: the "
                 f"prefill instance was restarted or the request names the wrong instance"
             )
-        check_peer(self._local, reply, self._topology)
-        peer = PrefillPeer.of(reply)
+        try:
+            topology = self.topologies.with_remote_tp(reply.tp_size)
+        except TopologyError as exc:
+            raise IncompatiblePeerError(
+                f"prefill engine {reply.engine_id} rank {reply.tp_rank} runs TP {reply.tp_size}, "
+                f"which this decode instance cannot read: {exc}"
+            ) from exc
+        check_peer(self._local, reply, topology)
+        peer = PrefillPeer.of(reply, topology)
         with self._lock:
             self._cache[key] = peer
         return peer

@@ -56,7 +56,7 @@ from ..timeline import PullTimeline
 from .lanes import FifoLane
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
-from .peers import PeerDirectory
+from .peers import PeerDirectory, PrefillPeer
 from .side_channel import PeerRefused, SideChannelClient, SideChannelError
 from .transport import TransferError, Transport, UnsettledTransfer
 from .wire import ClaimRead, ClaimReply, ReadDone, bounded_text
@@ -187,6 +187,15 @@ def _agreed_block_ids(
     return block_ids
 
 
+def _check_same_tp(prefill: PrefillPeer, topology: TransferTopology) -> None:
+    """The prefill worker runs the TP size the request's params name (which chose the ranks)."""
+    if prefill.topology.prefill_tp != topology.prefill_tp:
+        raise RuntimeError(
+            f"prefill engine {prefill.engine_id} runs TP {prefill.topology.prefill_tp}, but the "
+            f"request's kv_transfer_params name TP {topology.prefill_tp}"
+        )
+
+
 class Receiver:
     """Pulls requests' KV into this decode worker's cache."""
 
@@ -314,7 +323,8 @@ class Receiver:
 
     def _start(self, pull: PullOrder, peers: dict[int, _Peer], timeline: PullTimeline) -> None:
         seed = request_seed(pull.transfer_id)
-        pulls = self._topology.pulls_for(self._rank, seed)
+        topology = self._topology_of(pull)
+        pulls = topology.pulls_for(self._rank, seed)
         remote_tables: dict[int, Sequence[Region]] = {}
         # An early pull is bound by its unique transfer id; the engine id it carries may predate
         # a prefill restart (the proxy learns the new one from the answer that follows).
@@ -323,6 +333,7 @@ class Receiver:
             rank = head_pull.prefill_rank
             port = pull.remote_port + rank
             prefill = self._peers.get(pull.remote_host, port, engine_id)
+            _check_same_tp(prefill, topology)
             remote_tables[rank] = prefill.regions
             peers[rank] = _Peer(
                 rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
@@ -348,7 +359,7 @@ class Receiver:
             staging = self._staging.acquire()
         try:
             plan = plan_request(
-                self._topology,
+                topology,
                 self._rank,
                 seed,
                 self._local_regions,
@@ -376,6 +387,14 @@ class Receiver:
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
 
+    def _topology_of(self, pull: PullOrder) -> TransferTopology:
+        """The topology pairing the request's prefill instance (its TP size, as its params say)
+        with this decode instance; the configured one when the pull does not say."""
+        topologies = self._peers.topologies
+        if pull.remote_tp_size is None:
+            return topologies.configured
+        return topologies.with_remote_tp(pull.remote_tp_size)
+
     def _first_claim(
         self, pull: PullOrder, peer: _Peer, remote_tables: dict[int, Sequence[Region]]
     ) -> ClaimReply:
@@ -389,6 +408,7 @@ class Receiver:
             prefill = self._peers.get(peer.host, peer.port)  # invalidated by the refusal
             if prefill.incarnation == peer.incarnation:
                 raise
+            _check_same_tp(prefill, self._topology_of(pull))
             logger.info(
                 "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
                 peer.host,
@@ -594,5 +614,6 @@ class Receiver:
             success=failure is None,
             reason=bounded_text(failure or ""),
             reader=self._peers.local.incarnation,
+            decode_tp=self._topology.decode_tp,
         )
         self._notifier.send(peer.host, peer.port, peer.rank, message)

@@ -20,6 +20,13 @@ once instead of waiting for a prefill that will never come.
 A decode rank's lease belongs to the reader it was first granted to (the decode worker's
 incarnation): nobody else can renew it or end it with a read-done notice. However often it is
 renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all.
+
+Decode instances of any TP size this prefill can pair with may read it: the readers a transfer
+waits for are those of the configured ``decode.tp_size`` until the first claim or notice for it
+names another size, and then those of that size; a later message naming a third size is
+refused. Only a prefill that replicates KV heads (TP larger than the head count) serves its
+configured decode TP alone: which replicas are read depends on the decode TP, and the unread ones
+were released when the request was held.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..core.topology import TransferTopology, request_seed
+from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
 from ..log import get_logger
 from .side_channel import Park, SideChannelServer
 from .wire import (
@@ -69,6 +76,8 @@ class _Held:
     hold_ends: float = float("inf")  # the latest deadline any lease may extend to
     #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
     lessees: dict[int, str] = field(default_factory=dict)
+    #: the TP size of the decode instance reading it, once a claim or notice named it
+    decode_tp: int | None = None
 
 
 class SendTracker:
@@ -82,13 +91,15 @@ class SendTracker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topology = topology
+        self._topologies = Topologies(topology, local_is_decode=False)
         self._rank = rank
         self._timeout = release_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # a request may be finished now
         self._held: dict[str, _Held] = {}
-        self._early: dict[str, tuple[set[int], float]] = {}
+        # transfer id -> (decode ranks that sent a notice, forget after, their decode TP or -1)
+        self._early: dict[str, tuple[set[int], float, int]] = {}
         # transfer id -> (vLLM request id, forget after); "" for a dropped request
         self._released: dict[str, tuple[str, float]] = {}
         self._finished: set[str] = set()
@@ -123,7 +134,6 @@ class SendTracker:
         num_prompt_tokens: int,
     ) -> None:
         request_id = transfer_id if request_id is None else request_id
-        readers = set(self._topology.readers_of(self._rank, request_seed(transfer_id)))
         with self._lock:
             held = self._held.get(transfer_id)
             owner = held.request_id if held is not None else None
@@ -141,8 +151,9 @@ class SendTracker:
                     self._finished.add(request_id)
                     self._news.notify_all()
                 return
-            early, _ = self._early.pop(transfer_id, (set(), 0.0))
-            readers -= early
+            early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
+            topology = self._reader_topology(early_tp) or self._topology
+            readers = set(topology.readers_of(self._rank, request_seed(transfer_id))) - early
             if not readers:
                 self._release(transfer_id, request_id)
                 return
@@ -154,7 +165,50 @@ class SendTracker:
                 block_ids,
                 num_prompt_tokens,
                 hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
+                decode_tp=topology.decode_tp if early_tp >= 0 else None,
             )
+
+    def _reader_topology(self, decode_tp: int) -> TransferTopology | None:
+        """The topology for readers of TP ``decode_tp`` (< 0: the configured one); None when
+        this rank cannot serve that size."""
+        if decode_tp < 0 or decode_tp == self._topology.decode_tp:
+            return self._topology
+        if self._topology.prefill_tp > self._topology.heads:
+            return None  # replicated heads: see the module docstring
+        try:
+            return self._topologies.with_remote_tp(decode_tp)
+        except TopologyError:
+            return None
+
+    def _learn_decode_tp(self, held: _Held, transfer_id: str, decode_tp: int) -> str | None:
+        """Bind ``held`` to the decode TP its readers run (caller holds the lock); the reason
+        to refuse when that cannot be. The readers switch to that size's before any spoke."""
+        if decode_tp < 0:
+            decode_tp = self._topology.decode_tp
+        if held.decode_tp is not None:
+            if held.decode_tp == decode_tp:
+                return None
+            return (
+                f"a decode instance of TP {held.decode_tp} reads this transfer already, this "
+                f"reader runs TP {decode_tp}"
+            )
+        topology = self._reader_topology(decode_tp)
+        if topology is None:
+            replicated = self._topology.prefill_tp > self._topology.heads
+            why = (
+                f"this prefill instance replicates its {self._topology.heads} KV heads over TP "
+                f"{self._topology.prefill_tp} and serves only decode TP "
+                f"{self._topology.decode_tp} (kv_connector_extra_config's decode.tp_size)"
+                if replicated
+                else f"prefill TP {self._topology.prefill_tp} cannot pair with it"
+            )
+            return f"the decode instance runs TP {decode_tp}: {why}"
+        if topology is not self._topology:
+            held.readers_left = set(
+                topology.readers_of(self._rank, request_seed(transfer_id))
+            ) - set(held.lessees)
+        held.decode_tp = decode_tp
+        return None
 
     def drop(self, transfer_id: str) -> None:
         """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
@@ -176,9 +230,9 @@ class SendTracker:
     ) -> ClaimReply:
         """Grant (or renew) a read lease with the prompt's block ids, or say why not.
 
-        A rank's lease is bound to the first ``reader`` it is granted to; another is refused. A
-        reader whose decode TP differs from this rank's configuration reads other heads than
-        this rank expects (and other ranks than would read): refused, and the hold is freed at
+        A rank's lease is bound to the first ``reader`` it is granted to; another is refused.
+        The first claim or notice naming a decode TP binds the transfer to it (module
+        docstring); a reader of a TP this rank cannot serve is refused, and the hold is freed at
         once, since the readers this rank waits for will never all come."""
         now = self._clock()
         with self._lock:
@@ -193,15 +247,12 @@ class SendTracker:
                 return ClaimReply(
                     "refused", reason=f"decode rank {decode_rank}'s lease is held by another reader"
                 )
-            if decode_tp >= 0 and decode_tp != self._topology.decode_tp:
-                del self._held[transfer_id]
-                self._release(transfer_id, held.request_id)
-                return ClaimReply(
-                    "refused",
-                    reason=f"the decode instance runs TP {decode_tp}, but this prefill instance "
-                    f"is configured for decode TP {self._topology.decode_tp}: set "
-                    f"kv_connector_extra_config's decode.tp_size alike on both",
-                )
+            refusal = self._learn_decode_tp(held, transfer_id, decode_tp)
+            if refusal is not None:
+                if held.decode_tp is None:  # nobody else reads it: free it now
+                    del self._held[transfer_id]
+                    self._release(transfer_id, held.request_id)
+                return ClaimReply("refused", reason=refusal)
             if decode_rank not in held.readers_left:
                 return ClaimReply("refused", reason=f"decode rank {decode_rank} is not a reader")
             known = num_prompt_tokens >= 0 and held.num_prompt_tokens >= 0
@@ -228,13 +279,20 @@ class SendTracker:
             )
 
     def read_done(
-        self, transfer_id: str, decode_rank: int, success: bool, reader: str = ""
+        self,
+        transfer_id: str,
+        decode_rank: int,
+        success: bool,
+        reader: str = "",
+        decode_tp: int = -1,
     ) -> bool:
         """A decode rank is done with a transfer; False (and ignored) when that rank's lease was
-        granted to another reader."""
+        granted to another reader, or its decode TP is not the transfer's."""
         with self._lock:
             held = self._held.get(transfer_id)
             if held is not None and held.lessees.get(decode_rank, reader) != reader:
+                return False
+            if held is not None and self._learn_decode_tp(held, transfer_id, decode_tp):
                 return False
             if held is None:
                 if transfer_id in self._released:
@@ -250,7 +308,9 @@ class SendTracker:
                         )
                     return True
                 forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                early, _ = self._early.setdefault(transfer_id, (set(), forget))
+                early, _, early_tp = self._early.setdefault(transfer_id, (set(), forget, decode_tp))
+                if early_tp != decode_tp:
+                    return False  # two decode TPs claim to read it: keep the first
                 early.add(decode_rank)
                 return True
             held.readers_left.discard(decode_rank)
@@ -283,8 +343,8 @@ class SendTracker:
                         sorted(held.readers_left),
                     )
             for memory in (self._early, self._released):
-                for transfer_id, (_, forget_at) in list(memory.items()):
-                    if forget_at <= now:
+                for transfer_id, remembered in list(memory.items()):
+                    if remembered[1] <= now:  # (..., forget after, ...)
                         del memory[transfer_id]
             finished, self._finished = self._finished, set()
         return finished
@@ -368,15 +428,22 @@ class PrefillSender:
                     message.reason,
                 )
             if not self.tracker.read_done(
-                message.request_id, message.decode_rank, message.success, message.reader
+                message.request_id,
+                message.decode_rank,
+                message.success,
+                message.reader,
+                message.decode_tp,
             ):
                 logger.warning(
-                    "ignored a read-done notice for request %s, decode rank %d, from a reader "
-                    "the lease was not granted to",
+                    "ignored a read-done notice for request %s, decode rank %d (TP %d), from a "
+                    "reader the lease was not granted to or of another decode TP",
                     message.request_id,
                     message.decode_rank,
+                    message.decode_tp,
                 )
-                return ErrorReply("this read lease was granted to another reader")
+                return ErrorReply(
+                    "this read lease was granted to another reader, or another decode TP reads it"
+                )
             return Ack()
         return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
 

@@ -185,6 +185,7 @@ class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     success: bool
     reason: Text = ""
     reader: Id = ""  # must be the reader the lease was granted to, once one was
+    decode_tp: int = -1  # the reader's TP size (-1: the prefill's configured decode TP)
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

@@ -140,12 +140,21 @@ class LocalDeployment:
         self._extra_proxies: list[subprocess.Popen[bytes]] = []
 
     def make_server(
-        self, role: str, *, port: int | None = None, name: str | None = None, **overrides: Any
+        self,
+        role: str,
+        *,
+        port: int | None = None,
+        name: str | None = None,
+        side_channel_port: int | None = None,
+        **overrides: Any,
     ) -> VllmServer:
-        """A (not yet started) instance of this deployment; ``overrides`` replace spec fields."""
+        """A (not yet started) instance of this deployment; ``overrides`` replace spec fields.
+        ``side_channel_port``: for a prefill instance beside this deployment's own, its own base
+        port (the deployment's by default)."""
         spec = replace(self.spec, **overrides) if overrides else self.spec
         producer = role == "kv_producer"
-        config = connector_config(spec, role, self.side_channel_port)
+        base_port = self.side_channel_port if side_channel_port is None else side_channel_port
+        config = connector_config(spec, role, base_port)
         host = self.hosts[role]
         return VllmServer(
             spec.model,
