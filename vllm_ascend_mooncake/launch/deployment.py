@@ -221,10 +221,18 @@ class LocalDeployment:
     def proxy_url(self) -> str:
         return f"http://{self.proxy_host.address}:{self.proxy_port}"
 
-    def start(self, timeout_s: float = 600.0) -> float:
-        """Start everything: both instances until they answer `/health`, then the proxy."""
+    def start(self, timeout_s: float = 600.0, *, one_at_a_time: bool = False) -> float:
+        """Start everything: both instances until they answer `/health`, then the proxy.
+
+        The instances start at the same time unless ``one_at_a_time``: instances sharing one
+        GPU must not profile its memory while the other allocates (vLLM sizes its KV cache
+        from what the profiling run saw)."""
         started = time.monotonic()
-        start_servers((self.prefill, self.decode), timeout_s)
+        if one_at_a_time:
+            for server in (self.prefill, self.decode):
+                start_servers((server,), max(1.0, timeout_s - (time.monotonic() - started)))
+        else:
+            start_servers((self.prefill, self.decode), timeout_s)
         self._proxy = self._start_proxy(self.proxy_port, self.proxy_log, self.spec.proxy_args)
         return time.monotonic() - started
 
