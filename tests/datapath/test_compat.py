@@ -81,3 +81,40 @@ def test_mismatches_are_named(remote, message) -> None:
 def test_the_served_name_alone_may_differ() -> None:
     renamed = msgspec.structs.replace(IDENTITY, model="/models/tiny-on-another-host")
     check_peer(metadata(4, 1), metadata(2, 2, identity=renamed), TOPO)
+
+
+MLA_IDENTITY = ModelIdentity("deepseek", "bfloat16", "auto", 16, 576, 1, 2, True)
+
+
+def ascend_mla_metadata(tp: int, widths=(512, 64)) -> WorkerMetadata:
+    """vllm-ascend MLA: per layer a nope and a rope latent region of different widths."""
+    regions = []
+    for layer in range(2):
+        for part, width in zip(("nope", "rope"), widths, strict=True):
+            layout = RegionLayout(BlockOrder.LATENT, 8, 16 * width * 2, 1, 16, width * 2)
+            regions.append(Region(f"layer.{layer}.{part}", 1 << (20 + len(regions)), layout))
+    return WorkerMetadata(
+        engine_id="e",
+        incarnation="i",
+        tp_rank=0,
+        tp_size=tp,
+        dp_rank=0,
+        dp_size=1,
+        pp_size=1,
+        transport_session="127.0.0.1:1",
+        identity=MLA_IDENTITY,
+        regions=[RegionInfo.of(r) for r in regions],
+    )
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4)])
+def test_mla_regions_of_different_widths_in_one_layer_pair_region_by_region(
+    prefill_tp, decode_tp
+) -> None:
+    topology = TransferTopology(1, prefill_tp, decode_tp, is_mla=True)
+    check_peer(ascend_mla_metadata(decode_tp), ascend_mla_metadata(prefill_tp), topology)
+    narrower_rope = ascend_mla_metadata(prefill_tp, widths=(512, 32))
+    with pytest.raises(
+        IncompatiblePeerError, match=r"layer\.0\.rope: 64 B per head per token on prefill vs 128 B"
+    ):
+        check_peer(ascend_mla_metadata(decode_tp), narrower_rope, topology)

@@ -36,6 +36,10 @@ CASES = [
     ("both-replicas", 1, 2, 4, "split_kv"),
     ("decode-replicas", 2, 1, 4, "vllm_token_major"),
     ("mla", 1, 4, 2, "mla"),
+    # vllm-ascend MLA: per layer a nope (512) and a rope (64) tensor, each its own latent region
+    ("ascend-mla-merge", 1, 2, 1, "ascend_mla"),
+    ("ascend-mla-slice", 1, 1, 2, "ascend_mla"),
+    ("ascend-mla-2-4", 1, 2, 4, "ascend_mla"),
 ]
 
 

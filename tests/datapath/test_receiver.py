@@ -2,7 +2,8 @@
 
 Prefill ranks (``SendTracker`` + ``PrefillSender`` on loopback ZMQ) and decode ranks (a real
 ``Receiver`` with its ``PeerDirectory`` and client) live in this process; their KV caches are CPU
-tensors shaped like vLLM's, and :class:`InProcessTransport` copies the bytes. Every pull's blocks
+tensors shaped like vLLM's (or like vllm-ascend's MLA nope and rope caches), and
+:class:`InProcessTransport` copies the bytes. Every pull's blocks
 are compared byte for byte with the reference, and every report (vLLM's and prefill's) is checked.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_ascend_mooncake.core.layout import BlockOrder
 from vllm_ascend_mooncake.core.plan import StagingArea
 from vllm_ascend_mooncake.core.relayout import LocalMemory
 from vllm_ascend_mooncake.core.topology import TransferTopology
@@ -22,7 +24,11 @@ from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.peers import PeerDirectory
 from vllm_ascend_mooncake.datapath.receiver import Receiver, ReceiverOptions, StagingPool
-from vllm_ascend_mooncake.datapath.registration import regions_from_vllm_views, storage_ranges
+from vllm_ascend_mooncake.datapath.registration import (
+    regions_from_split_caches,
+    regions_from_vllm_views,
+    storage_ranges,
+)
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient
 from vllm_ascend_mooncake.datapath.transport import TransferError
@@ -36,6 +42,8 @@ CONTENT = 2 * HEAD_SIZE  # float16 elements per head and token: vLLM fuses K and
 HEAD_TOKEN_BYTES = 2 * CONTENT
 PREFILL_BLOCKS, DECODE_BLOCKS = 12, 16
 PROMPT_TOKENS = 100
+#: vllm-ascend's MLA caches per layer: nope (kv_lora_rank) and rope (qk_rope_head_dim) elements.
+ASCEND_MLA_WIDTHS = (512, 64)
 FAST = ReceiverOptions(
     claim_wait_s=2.0,
     prefill_wait_s=3.0,
@@ -46,35 +54,82 @@ FAST = ReceiverOptions(
 
 
 class Cache:
-    """A vLLM-shaped CPU KV cache: one allocation, one ``[blocks, H, N, C]`` view per layer."""
+    """A CPU KV cache shaped like vLLM's (one allocation, one ``[blocks, H, N, C]`` view per
+    layer) or, with ``mla_widths``, like vllm-ascend's MLA cache (per layer a nope and a rope
+    tensor ``[blocks, N, 1, width]``, each its own allocation)."""
 
-    def __init__(self, heads: int, num_blocks: int, token_major: bool, seed: int) -> None:
-        page = heads * BLOCK_SIZE * CONTENT
-        self.raw = torch.empty(LAYERS * num_blocks * page, dtype=torch.float16)
-        if token_major:
-            strides = (page, CONTENT, heads * CONTENT, 1)
-        else:
-            strides = (page, BLOCK_SIZE * CONTENT, CONTENT, 1)
-        views = {
-            f"layer.{i}": self.raw.as_strided(
-                (num_blocks, heads, BLOCK_SIZE, CONTENT), strides, i * num_blocks * page
+    def __init__(
+        self, heads: int, num_blocks: int, token_major: bool, seed: int, mla_widths=()
+    ) -> None:
+        if mla_widths:
+            caches = {
+                f"layer.{i}": tuple(
+                    torch.empty(num_blocks, BLOCK_SIZE, 1, w, dtype=torch.float16)
+                    for w in mla_widths
+                )
+                for i in range(LAYERS)
+            }
+            self.tensors = [t for pair in caches.values() for t in pair]
+            self.regions = regions_from_split_caches(
+                caches,
+                num_kv_heads=1,
+                block_size=BLOCK_SIZE,
+                head_size=sum(mla_widths),
+                is_mla=True,
             )
-            for i in range(LAYERS)
-        }
-        self.regions = regions_from_vllm_views(
-            views, num_kv_heads=heads, block_size=BLOCK_SIZE, is_mla=False
-        )
-        self.bytes = self.raw.view(torch.uint8).numpy()
-        self.bytes[:] = np.random.default_rng(seed).integers(0, 256, self.bytes.size, np.uint8)
+        else:
+            page = heads * BLOCK_SIZE * CONTENT
+            raw = torch.empty(LAYERS * num_blocks * page, dtype=torch.float16)
+            if token_major:
+                strides = (page, CONTENT, heads * CONTENT, 1)
+            else:
+                strides = (page, BLOCK_SIZE * CONTENT, CONTENT, 1)
+            views = {
+                f"layer.{i}": raw.as_strided(
+                    (num_blocks, heads, BLOCK_SIZE, CONTENT), strides, i * num_blocks * page
+                )
+                for i in range(LAYERS)
+            }
+            self.tensors = [raw]
+            self.regions = regions_from_vllm_views(
+                views, num_kv_heads=heads, block_size=BLOCK_SIZE, is_mla=False
+            )
+        self.arrays = [t.view(-1).view(torch.uint8).numpy() for t in self.tensors]
+        rng = np.random.default_rng(seed)
+        for array in self.arrays:
+            array[:] = rng.integers(0, 256, array.size, np.uint8)
+
+    @property
+    def bytes(self) -> np.ndarray:
+        """A copy of every byte of the cache, its allocations one after another."""
+        return np.concatenate(self.arrays)
+
+    def _locate(self, region: int, block: int) -> tuple[int, int]:
+        """(allocation index, byte offset in it) of a region's block."""
+        addr = self.regions[region].block_addr(block)
+        for index, (tensor, array) in enumerate(zip(self.tensors, self.arrays, strict=True)):
+            if tensor.data_ptr() <= addr < tensor.data_ptr() + array.size:
+                return index, addr - tensor.data_ptr()
+        raise AssertionError(f"region {region} block {block} is in no allocation")
 
     def block(self, region: int, block: int) -> np.ndarray:
-        layout = self.regions[region].layout
-        start = self.regions[region].base - self.raw.data_ptr() + block * layout.block_stride
-        return self.bytes[start : start + layout.block_len]
+        index, start = self._locate(region, block)
+        return self.arrays[index][start : start + self.regions[region].layout.block_len]
+
+    def offset(self, region: int, block: int) -> int:
+        """Where a region's block starts in :attr:`bytes`."""
+        index, start = self._locate(region, block)
+        return sum(a.size for a in self.arrays[:index]) + start
 
 
 def metadata(
-    role: str, topo: TransferTopology, rank: int, session: str, cache: Cache, block_size: int
+    role: str,
+    topo: TransferTopology,
+    rank: int,
+    session: str,
+    cache: Cache,
+    block_size: int,
+    head_size: int = HEAD_SIZE,
 ) -> WorkerMetadata:
     return WorkerMetadata(
         engine_id=role,
@@ -86,7 +141,14 @@ def metadata(
         pp_size=1,
         transport_session=session,
         identity=ModelIdentity(
-            "reference", "float16", "auto", block_size, HEAD_SIZE, topo.num_kv_heads, LAYERS, False
+            "reference",
+            "float16",
+            "auto",
+            block_size,
+            head_size,
+            topo.num_kv_heads,
+            LAYERS,
+            topo.is_mla,
         ),
         regions=[RegionInfo.of(r) for r in cache.regions],
     )
@@ -95,16 +157,16 @@ def metadata(
 class Prefill:
     """One prefill rank: a reference-filled cache, its transport and its side channel."""
 
-    def __init__(self, topo, rank, port, ref, token_major) -> None:
-        self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank)
-        self.cache = Cache(len(self.heads), PREFILL_BLOCKS, token_major, seed=rank)
+    def __init__(self, topo, rank, port, ref, token_major, mla_widths=()) -> None:
+        self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank, topo.is_mla)
+        self.cache = Cache(len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths)
         for index, region in enumerate(self.cache.regions):
             for block in range(PREFILL_BLOCKS):
                 self.cache.block(index, block)[:] = ref.expected_block(
                     index, block, self.heads, region.layout.block_order
                 )
         self.transport = InProcessTransport()
-        self.transport.register(storage_ranges([self.cache.raw]))
+        self.transport.register(storage_ranges(self.cache.tensors))
         self.tracker = SendTracker(topo, rank, release_timeout_s=30.0)
         self.notices: list[tuple[str, int, bool]] = []  # read-done notices, as prefill saw them
         read_done = self.tracker.read_done
@@ -114,7 +176,15 @@ class Prefill:
             return read_done(transfer_id, decode_rank, success, reader, decode_tp)
 
         self.tracker.read_done = record
-        meta = metadata("prefill", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
+        meta = metadata(
+            "prefill",
+            topo,
+            rank,
+            self.transport.session,
+            self.cache,
+            BLOCK_SIZE,
+            sum(mla_widths) or HEAD_SIZE,
+        )
         self.sender = PrefillSender(meta, self.tracker, HOST, port)
 
     def close(self) -> None:
@@ -134,18 +204,27 @@ class Decode:
         staging=True,
         staging_bytes=1 << 16,
         memory_type=LocalMemory,
+        mla_widths=(),
     ) -> None:
-        self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank)
-        self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, seed=100 + rank)
+        self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank, topo.is_mla)
+        self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, 100 + rank, mla_widths)
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         self.transport = InProcessTransport()
-        self.transport.register(storage_ranges([self.cache.raw, self.staging]))
-        self.snapshot = self.cache.bytes.copy()
+        self.transport.register(storage_ranges([*self.cache.tensors, self.staging]))
+        self.snapshot = self.cache.bytes
         self.client = SideChannelClient(timeout_s=5)
-        meta = metadata("decode", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
+        meta = metadata(
+            "decode",
+            topo,
+            rank,
+            self.transport.session,
+            self.cache,
+            BLOCK_SIZE,
+            sum(mla_widths) or HEAD_SIZE,
+        )
         self.peers = PeerDirectory(self.client, meta, topo)
         pool = StagingPool([StagingArea(self.staging.data_ptr(), self.staging.numel())])
-        self.memory = memory_type.from_tensors([self.cache.raw, self.staging])
+        self.memory = memory_type.from_tensors([*self.cache.tensors, self.staging])
         self.receiver = Receiver(
             self.transport,
             topo,
@@ -179,7 +258,7 @@ class Decode:
                 want = ref.expected_block(index, remote, self.heads, region.layout.block_order)
                 got = self.cache.block(index, local)
                 assert np.array_equal(got, want), f"region {index} block {local} is wrong"
-                start = region.base - self.cache.raw.data_ptr() + local * region.layout.block_stride
+                start = self.cache.offset(index, local)
                 expected[start : start + region.layout.block_len] = want
         assert np.array_equal(self.cache.bytes, expected), "bytes outside the pulled blocks moved"
 
@@ -190,14 +269,26 @@ class Decode:
 
 
 class Cluster:
-    def __init__(self, heads, prefill_tp, decode_tp, token_major=False, options=FAST, **kw):
-        self.topo = TransferTopology(heads, prefill_tp, decode_tp)
-        self.ref = ReferenceKV.random(LAYERS, PREFILL_BLOCKS, heads, BLOCK_SIZE, HEAD_TOKEN_BYTES)
+    def __init__(
+        self, heads, prefill_tp, decode_tp, token_major=False, options=FAST, mla_widths=(), **kw
+    ):
+        self.topo = TransferTopology(heads, prefill_tp, decode_tp, is_mla=bool(mla_widths))
+        if mla_widths:  # one reference region per MLA tensor, each as wide as the tensor
+            widths = [2 * w for w in mla_widths] * LAYERS
+            self.ref = ReferenceKV.random(len(widths), PREFILL_BLOCKS, 1, BLOCK_SIZE, widths)
+        else:
+            self.ref = ReferenceKV.random(
+                LAYERS, PREFILL_BLOCKS, heads, BLOCK_SIZE, HEAD_TOKEN_BYTES
+            )
         self.port = free_port_range(prefill_tp)
         self.prefill = [
-            Prefill(self.topo, r, self.port + r, self.ref, token_major) for r in range(prefill_tp)
+            Prefill(self.topo, r, self.port + r, self.ref, token_major, mla_widths)
+            for r in range(prefill_tp)
         ]
-        self.decode = [Decode(self.topo, r, token_major, options, **kw) for r in range(decode_tp)]
+        self.decode = [
+            Decode(self.topo, r, token_major, options, mla_widths=mla_widths, **kw)
+            for r in range(decode_tp)
+        ]
 
     def order(self, request_id, local, remote, *, early=False) -> PullOrder:
         return PullOrder(
@@ -278,6 +369,31 @@ def test_token_major_slice_decode_tp2_reads_head_slices_through_staging(cluster)
         decode.check_blocks(c.ref, local, remote)
     assert c.freed(c.prefill[0], "r1")
     assert sorted(c.prefill[0].notices) == [("t-r1", 0, True), ("t-r1", 1, True)]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4), (4, 2), (1, 1)])
+def test_ascend_mla_nope_and_rope_caches_pull_byte_exact(cluster, prefill_tp, decode_tp) -> None:
+    """vllm-ascend MLA: per layer a nope and a rope tensor of different widths, each its own
+    replicated latent region; every decode rank reads whole blocks of both from one prefill rank,
+    whatever the TP pair, and writes nothing else."""
+    c = cluster(1, prefill_tp, decode_tp, mla_widths=ASCEND_MLA_WIDTHS)
+    names = [f"layer.{i}.{part}" for i in range(LAYERS) for part in ("nope", "rope")]
+    widths = [2 * w for w in ASCEND_MLA_WIDTHS] * LAYERS  # float16
+    for side in c.prefill + c.decode:
+        assert [r.name for r in side.cache.regions] == names
+        assert [r.layout.head_token_bytes for r in side.cache.regions] == widths
+        assert {r.layout.block_order for r in side.cache.regions} == {BlockOrder.LATENT}
+    local, remote = [3, 4, 5, 9, 0], [6, 7, 8, 2, 11]  # a coalesced run and lone blocks
+    c.pull("r1", local, remote)
+    for decode in c.decode:
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed
+        decode.check_blocks(c.ref, local, remote)
+        (stats,) = decode.receiver.take_stats()
+        assert stats.num_bytes == len(local) * BLOCK_SIZE * sum(widths)  # each region once
+    assert all(c.freed(p, "r1") for p in c.prefill)
+    notices = [notice for p in c.prefill for notice in p.notices]
+    assert sorted(notices) == [("t-r1", d, True) for d in range(decode_tp)]  # one source each
 
 
 def test_a_slice_pull_without_staging_fails_and_releases_prefill(cluster) -> None:

@@ -51,7 +51,15 @@ def model_identity(
     num_kv_heads: int,
     is_mla: bool,
 ) -> ModelIdentity:
-    """The identity of a worker whose KV cache holds ``layer_names``."""
+    """The identity of a worker whose KV cache holds ``layer_names``.
+
+    ``head_size`` is the model's (vLLM's ``get_head_size``), not any one region's width: for MLA it
+    is ``kv_lora_rank + qk_rope_head_dim``, the whole per-token latent, which vLLM keeps in one
+    region per layer and vllm-ascend splits into a nope and a rope region (their widths add up to
+    it). Each region's own width travels in its :class:`~.wire.RegionInfo`, and :mod:`.compat`
+    pairs regions one by one, so a nope region is only ever combined with a nope region of the
+    same width. ``num_layers`` counts layers, not regions.
+    """
     import vllm
 
     model = vllm_config.model_config

@@ -121,12 +121,14 @@ class ConnectorWorker:
         model = vllm_config.model_config
         local_heads = model.get_num_kv_heads(vllm_config.parallel_config)
         if any(isinstance(cache, (tuple, list)) for cache in ordered.values()):
-            # vllm-ascend hands over (K, V) -- or (latent,) for MLA -- tensors per layer.
+            # vllm-ascend hands over (K, V) tensors per layer, or for MLA (nope, rope) -- or one
+            # packed latent -- each its own replicated region (see registration.py).
             regions = regions_from_split_caches(
                 ordered,
                 num_kv_heads=local_heads,
                 block_size=config.block_size,
                 head_size=model.get_head_size(),
+                is_mla=config.is_mla,
             )
             return KVCacheMemory([t for cache in ordered.values() for t in cache], regions)
         regions = regions_from_vllm_views(

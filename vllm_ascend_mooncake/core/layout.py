@@ -2,7 +2,8 @@
 
 A region is one tensor of the KV cache: a vLLM 0.32 per-layer view ``[num_blocks, H, N, C]`` (K and
 V fused in ``C``), one of vllm-ascend's separate K or V tensors ``[num_blocks, N, H, D]`` (or its
-flattened ``[num_blocks, N, H*D]`` form), or an MLA latent cache. The description is derived from
+flattened ``[num_blocks, N, H*D]`` form), or one MLA latent tensor (vLLM's single latent, or one of
+vllm-ascend's nope and rope tensors, which differ in width). The description is derived from
 the tensor's shape and strides plus what the model config says, never guessed: a tensor that does
 not match any layout the planner understands is refused with an error that says what to change.
 
@@ -13,7 +14,8 @@ Inside a block the planner only needs to know where a head's bytes are:
   so chunks are only ever moved whole.
 * ``TOKEN_MAJOR`` (vLLM ``LBNHC``, vllm-ascend NHD tensors): ``[tokens][heads][content]``; a run
   of heads is contiguous only within one token.
-* ``LATENT`` (MLA): no head axis; a block is one unit, replicated on every rank.
+* ``LATENT`` (MLA): no head axis; a block is one unit, replicated on every rank. Regions of one
+  layer may differ in width (vllm-ascend's nope and rope); pairs are checked region by region.
 """
 
 from __future__ import annotations
@@ -242,19 +244,38 @@ def describe_latent_tensor(
     *,
     block_size: int,
 ) -> RegionLayout:
-    """Describe an MLA latent cache ``[num_blocks, block_size, latent]`` (vllm-ascend form)."""
-    _require(
-        len(shape) == 3,
-        f"expected an MLA latent tensor [blocks, tokens, latent], got shape {tuple(shape)}",
-    )
-    num_blocks, tokens, latent = shape
+    """Describe one MLA latent tensor: ``[num_blocks, block_size, width]`` or
+    ``[num_blocks, block_size, 1, width]``.
+
+    The 4-D form is how vllm-ascend shapes its MLA caches (the backend's
+    ``[num_blocks, block_size, num_kv_heads=1, head_size]``), one tensor per component: the nope
+    cache (``kv_lora_rank`` wide) and the rope cache (``qk_rope_head_dim`` wide), or a single
+    packed latent. Each is its own region; its width is whatever the tensor says.
+    """
     byte_strides = _byte_strides(strides, element_size)
+    if len(shape) == 4:
+        num_blocks, tokens, heads, width = shape
+        _require(
+            heads == 1,
+            f"an MLA latent tensor [blocks, tokens, 1, width] has no head axis, but shape "
+            f"{tuple(shape)} has {heads} there",
+        )
+        s_token, s_content = byte_strides[1], byte_strides[3]
+    elif len(shape) == 3:
+        num_blocks, tokens, width = shape
+        s_token, s_content = byte_strides[1], byte_strides[2]
+    else:
+        raise LayoutError(
+            f"expected an MLA latent tensor [blocks, tokens, width] or [blocks, tokens, 1, width], "
+            f"got shape {tuple(shape)}"
+        )
     _require(
         tokens == block_size,
-        f"latent tensor has {tokens} tokens per block but the engine block size is {block_size}",
+        f"latent tensor {tuple(shape)} has {tokens} tokens per block but the engine block size "
+        f"is {block_size}",
     )
     _require(
-        byte_strides[2] == element_size and byte_strides[1] == latent * element_size,
+        s_content == element_size and s_token == width * element_size,
         f"latent tensor {tuple(shape)} is not contiguous within a block "
         f"(byte strides {tuple(byte_strides)})",
     )
@@ -264,7 +285,7 @@ def describe_latent_tensor(
         block_stride=byte_strides[0],
         num_heads=1,
         tokens_per_block=tokens,
-        head_token_bytes=latent * element_size,
+        head_token_bytes=width * element_size,
     )
 
 

@@ -1,9 +1,25 @@
 """From a worker's KV cache tensors to the regions the planner sees and the memory to register.
 
 vLLM 0.32 hands the connector one 4-D view per layer, all views sharing one backing allocation;
-vllm-ascend-style caches are separate K and V tensors per layer. Either way each tensor becomes one
-:class:`Region` described from its real shape and strides, and memory is registered once per
-distinct storage.
+vllm-ascend hands over a tuple of tensors per layer: K and V, or for MLA models the nope and rope
+caches (or one packed latent). Either way each tensor becomes one :class:`Region` described from
+its real shape and strides, and memory is registered once per distinct storage.
+
+vllm-ascend's MLA layout, as read in the vllm-ascend sources at commit ``182b75ea84``
+(2026-08-22); not run on an NPU:
+
+* ``NPUModelRunner._reshape_kv_cache_tensors`` (``vllm_ascend/worker/model_runner_v1.py``) gives an
+  ``AscendMLAAttentionSpec`` layer ``kv_caches[layer] = (k_cache, v_cache)``, commented
+  "k_cache: nope_cache    v_cache: rope_cache": ``[num_blocks, block_size, 1, kv_lora_rank]`` and
+  ``[num_blocks, block_size, 1, qk_rope_head_dim]``, each a contiguous view of its own raw
+  int8 allocation (``_allocate_kv_cache_tensors``; hybrid Mamba models carve both from one).
+  The widths come from ``_get_attention_kv_cache_dims`` (``MLAAttention.kv_lora_rank`` and
+  ``.qk_rope_head_dim``: 512 and 64 for DeepSeek), the 4-D form from
+  ``AscendMLABackend.get_kv_cache_shape`` (``vllm_ascend/attention/mla_v1.py``:
+  ``(num_blocks, block_size, num_kv_heads, head_size)`` with one KV head).
+* With sparse SFA C8 the layer holds one packed tensor, ``(k_cache,)``.
+* vllm-ascend's own connector (``kv_p2p/mooncake_connector.py``, ``register_kv_caches``) registers
+  every tensor of the tuple on its own, with its own block length and stride, as is done here.
 """
 
 from __future__ import annotations
@@ -12,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..core.layout import (
+    LayoutError,
     Region,
     describe_latent_tensor,
     describe_split_kv_tensor,
@@ -47,27 +64,87 @@ def regions_from_split_caches(
     num_kv_heads: int,
     block_size: int,
     head_size: int,
+    is_mla: bool,
 ) -> list[Region]:
-    """Regions for per-layer ``(K, V)`` token-major tensors, or ``(latent,)`` for MLA."""
+    """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order.
+
+    With ``is_mla`` every tensor of a layer's tuple is one :attr:`~BlockOrder.LATENT` region,
+    replicated on every rank and described from its own shape (widths may differ): a pair is
+    ``(nope, rope)``, named ``<layer>.nope`` and ``<layer>.rope``; a single latent keeps the layer
+    name. Without it a pair is token-major ``(K, V)``, named ``<layer>.k`` and ``<layer>.v``.
+    """
     regions = []
     for name, tensors in kv_caches.items():
-        if len(tensors) == 1:
-            (latent,) = tensors
+        if is_mla:
+            regions.extend(_latent_regions(name, tuple(tensors), block_size))
+        else:
+            regions.extend(
+                _kv_regions(
+                    name,
+                    tuple(tensors),
+                    num_kv_heads=num_kv_heads,
+                    block_size=block_size,
+                    head_size=head_size,
+                )
+            )
+    return regions
+
+
+def _latent_regions(name: str, tensors: tuple[torch.Tensor, ...], block_size: int) -> list[Region]:
+    if len(tensors) == 1:
+        names = [name]
+    elif len(tensors) == 2:
+        names = [f"{name}.nope", f"{name}.rope"]
+    else:
+        raise LayoutError(
+            f"layer {name}: an MLA cache is one latent tensor or a (nope, rope) pair, got "
+            f"{len(tensors)} tensors of shapes {[tuple(t.shape) for t in tensors]}"
+        )
+    regions = []
+    for region_name, tensor in zip(names, tensors, strict=True):
+        try:
             layout = describe_latent_tensor(
-                latent.shape, latent.stride(), latent.element_size(), block_size=block_size
+                tensor.shape, tensor.stride(), tensor.element_size(), block_size=block_size
             )
-            regions.append(Region(name, latent.data_ptr(), layout))
-            continue
-        for suffix, tensor in zip(("k", "v"), tensors, strict=True):
-            layout = describe_split_kv_tensor(
-                tensor.shape,
-                tensor.stride(),
-                tensor.element_size(),
-                num_kv_heads=num_kv_heads,
-                block_size=block_size,
-                head_size=head_size,
-            )
-            regions.append(Region(f"{name}.{suffix}", tensor.data_ptr(), layout))
+        except LayoutError as exc:
+            raise LayoutError(f"{region_name}: {exc}") from exc
+        regions.append(Region(region_name, tensor.data_ptr(), layout))
+    return regions
+
+
+def _kv_regions(
+    name: str,
+    tensors: tuple[torch.Tensor, ...],
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+) -> list[Region]:
+    if len(tensors) != 2:
+        raise LayoutError(
+            f"layer {name}: expected a (K, V) pair of cache tensors, got {len(tensors)} of shapes "
+            f"{[tuple(t.shape) for t in tensors]}; a single tensor per layer is an MLA latent "
+            f"cache, but the model config does not say MLA: check the model config"
+        )
+    k, v = tensors
+    if k.shape[-1] != v.shape[-1]:
+        raise LayoutError(
+            f"layer {name}: its two cache tensors {tuple(k.shape)} and {tuple(v.shape)} differ in "
+            f"width ({k.shape[-1]} vs {v.shape[-1]}), which K and V do not: this looks like an MLA "
+            f"cache (nope, rope), but the model config does not say MLA: check the model config "
+            f"(an MLA model served with MLA disabled, or a config that hides it)"
+        )
+    regions = []
+    for suffix, tensor in zip(("k", "v"), tensors, strict=True):
+        layout = describe_split_kv_tensor(
+            tensor.shape,
+            tensor.stride(),
+            tensor.element_size(),
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_size=head_size,
+        )
+        regions.append(Region(f"{name}.{suffix}", tensor.data_ptr(), layout))
     return regions
 
 

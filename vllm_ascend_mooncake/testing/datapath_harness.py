@@ -1,10 +1,11 @@
 """Real prefill and decode worker processes moving KV over Mooncake, for tests and benchmarks.
 
 Each :class:`WorkerProcess` is a separate OS process with its own Mooncake transfer engine, reused
-across cases: per case it allocates a KV cache shaped like the engine's (vLLM per-layer views or
-vllm-ascend separate K/V tensors), registers it, and runs the real :class:`PrefillSender` or
-:class:`Receiver`. Prefill caches are filled from a :class:`ReferenceKV`; decode workers check every
-pulled block against it byte for byte, and that no byte outside the requested blocks changed.
+across cases: per case it allocates a KV cache shaped like the engine's (vLLM per-layer views,
+vllm-ascend separate K/V tensors, or vllm-ascend's MLA nope and rope tensors), registers it, and
+runs the real :class:`PrefillSender` or :class:`Receiver`. Prefill caches are filled from a
+:class:`ReferenceKV`; decode workers check every pulled block against it byte for byte, and that
+no byte outside the requested blocks changed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from ..core.topology import TransferTopology
 from .kv_reference import ReferenceKV, owned_heads
 
-LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla")
+LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla", "ascend_mla")
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ class CaseSpec:
     # Benchmarks: skip the reference fill and byte checks; reserve a buffer for ceiling reads.
     verify: bool = True
     ceiling_bytes: int = 0
+    #: "ascend_mla": the widths (elements) of a layer's MLA tensors, vllm-ascend's
+    #: (kv_lora_rank, qk_rope_head_dim); each tensor is ``[blocks, block_size, 1, width]``.
+    mla_widths: tuple[int, ...] = (512, 64)
 
     @property
     def is_mla(self) -> bool:
-        return self.layout == "mla"
+        return self.layout in ("mla", "ascend_mla")
 
     @property
     def ref_heads(self) -> int:
@@ -60,13 +64,29 @@ class CaseSpec:
 
     @property
     def regions_per_layer(self) -> int:
+        if self.layout == "ascend_mla":
+            return len(self.mla_widths)
         return 2 if self.layout == "split_kv" else 1
+
+    @property
+    def identity_head_size(self) -> int:
+        """The head size the workers advertise (vLLM's: the whole latent for MLA)."""
+        return sum(self.mla_widths) if self.layout == "ascend_mla" else self.head_size
 
     @property
     def head_token_bytes(self) -> int:
         # vLLM fuses K and V in the content axis; split caches hold one of them per tensor.
+        if self.layout == "ascend_mla":
+            return max(self.region_widths)
         content = self.head_size if self.layout == "split_kv" else 2 * self.head_size
         return content * self.element_size
+
+    @property
+    def region_widths(self) -> tuple[int, ...]:
+        """Bytes per head and token of every region, layer by layer."""
+        if self.layout == "ascend_mla":
+            return tuple(w * self.element_size for w in self.mla_widths) * self.num_layers
+        return (self.head_token_bytes,) * (self.num_layers * self.regions_per_layer)
 
     def topology(self) -> TransferTopology:
         return TransferTopology(self.heads, self.prefill_tp, self.decode_tp, is_mla=self.is_mla)
@@ -77,7 +97,7 @@ class CaseSpec:
             self.prefill_blocks,
             self.ref_heads,
             self.block_size,
-            self.head_token_bytes,
+            self.region_widths if self.layout == "ascend_mla" else self.head_token_bytes,
             seed=self.seed,
         )
 
@@ -149,7 +169,24 @@ class _WorkerState:
             }
             tensors = [t for pair in caches.values() for t in pair]
             regions = regions_from_split_caches(
-                caches, num_kv_heads=heads, block_size=n, head_size=c
+                caches, num_kv_heads=heads, block_size=n, head_size=c, is_mla=False
+            )
+        elif case.layout == "ascend_mla":
+            # vllm-ascend: per layer (nope, rope), [blocks, block_size, 1, width], each its own
+            # allocation (see datapath/registration.py for where this was read).
+            caches = {
+                f"layer.{i}": tuple(
+                    torch.empty(num_blocks, n, 1, width, dtype=dtype) for width in case.mla_widths
+                )
+                for i in range(case.num_layers)
+            }
+            tensors = [t for pair in caches.values() for t in pair]
+            regions = regions_from_split_caches(
+                caches,
+                num_kv_heads=1,
+                block_size=n,
+                head_size=case.identity_head_size,
+                is_mla=True,
             )
         else:
             h = 1 if case.is_mla else heads
@@ -204,7 +241,7 @@ class _WorkerState:
                 dtype=f"e{case.element_size}",
                 kv_cache_dtype="auto",
                 block_size=case.block_size,
-                head_size=case.head_size,
+                head_size=case.identity_head_size,
                 num_kv_heads=case.heads,
                 num_layers=case.num_layers,
                 is_mla=case.is_mla,

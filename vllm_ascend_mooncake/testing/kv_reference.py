@@ -42,9 +42,15 @@ def block_bytes(content: np.ndarray, order: BlockOrder) -> np.ndarray:
 
 @dataclass
 class ReferenceKV:
-    """Full KV content: ``data[region, block, head, token, byte]`` (uint8)."""
+    """Full KV content: ``data[region, block, head, token, byte]`` (uint8).
+
+    ``widths``, when set, gives each region's bytes per head and token (regions of one layer may
+    differ: vllm-ascend's MLA nope and rope caches); ``data`` is then as wide as the widest and a
+    region's content is its first ``widths[region]`` bytes.
+    """
 
     data: np.ndarray
+    widths: tuple[int, ...] | None = None
 
     @classmethod
     def random(
@@ -53,16 +59,26 @@ class ReferenceKV:
         num_blocks: int,
         num_heads: int,
         tokens_per_block: int,
-        head_token_bytes: int,
+        head_token_bytes: int | Sequence[int],
         seed: int = 0,
     ) -> ReferenceKV:
+        """Random content; ``head_token_bytes`` is one width for all regions or one per region."""
+        widths = None
+        if not isinstance(head_token_bytes, int):
+            widths = tuple(int(w) for w in head_token_bytes)
+            if len(widths) != num_regions:
+                raise ValueError(f"{len(widths)} region widths for {num_regions} regions")
+            head_token_bytes = max(widths)
         rng = np.random.default_rng(seed)
         shape = (num_regions, num_blocks, num_heads, tokens_per_block, head_token_bytes)
-        return cls(rng.integers(0, 256, size=shape, dtype=np.uint8))
+        return cls(rng.integers(0, 256, size=shape, dtype=np.uint8), widths)
 
     def expected_block(self, region: int, block: int, heads: Sequence[int], order: BlockOrder):
         """The bytes a block holding ``heads`` of reference block ``block`` must contain."""
-        return block_bytes(self.data[region, block][list(heads)], order)
+        content = self.data[region, block][list(heads)]
+        if self.widths is not None:
+            content = content[..., : self.widths[region]]
+        return block_bytes(content, order)
 
     def fill(
         self,
