@@ -279,7 +279,10 @@ def effective_order(local: RegionLayout, remote: RegionLayout) -> BlockOrder:
 
 
 def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "region") -> None:
-    """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head."""
+    """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head.
+
+    Block sizes may differ when one divides the other (the planner maps them token by token);
+    the order, head size and dtype must match."""
     problems = []
     if local.block_order is not remote.block_order and not (
         _order_free(local) or _order_free(remote)
@@ -288,9 +291,11 @@ def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "re
             f"block order {remote.block_order.value} on prefill vs "
             f"{local.block_order.value} on decode"
         )
-    if local.tokens_per_block != remote.tokens_per_block:
+    bp, bd = remote.tokens_per_block, local.tokens_per_block
+    if bp % bd and bd % bp:
         problems.append(
-            f"block size {remote.tokens_per_block} on prefill vs {local.tokens_per_block} on decode"
+            f"block size {bp} on prefill vs {bd} on decode: neither divides the other, so "
+            f"blocks cannot be mapped onto each other token-aligned"
         )
     if local.head_token_bytes != remote.head_token_bytes:
         problems.append(
