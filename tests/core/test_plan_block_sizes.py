@@ -14,7 +14,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError, Region, RegionLayout
+from vllm_ascend_mooncake.core.layout import (
+    BlockOrder,
+    LayoutError,
+    Region,
+    RegionLayout,
+    check_pairable,
+)
 from vllm_ascend_mooncake.core.plan import (
     PlanError,
     PlanOptions,
@@ -110,8 +116,10 @@ def _ids(rng: np.random.Generator, count: int, total: int, style: str) -> list[i
     return sorted(ids) if style == "sorted" else ids
 
 
-def run_case(case: Case, decode_rank: int) -> RequestPlan:
-    """Fill prefill memories token by token, plan, execute, compare every decode byte."""
+def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
+    """Fill prefill memories token by token, plan, execute, compare every decode byte.
+
+    Different block sizes with head-major blocks on either side must be refused instead."""
     topo = TransferTopology(case.heads, case.prefill_tp, case.decode_tp, is_mla=case.is_mla)
     num_heads = 1 if case.is_mla else case.heads
     num_regions = len(region_layouts(case.kind, case.num_layers, 1, 1, 1, 1, 0))
@@ -180,22 +188,32 @@ def run_case(case: Case, decode_rank: int) -> RequestPlan:
     )
     local_space.add(staging_base, np.zeros(staging_capacity, dtype=np.uint8))
 
-    plan = plan_request(
-        topo,
-        decode_rank,
-        case.seed,
-        local_regions,
-        remote_tables,
-        local_ids,
-        remote_ids,
-        PlanOptions(
-            max_descriptors_per_batch=case.cap,
-            coalesce_runs=case.coalesce_runs,
-            staging=StagingArea(staging_base, staging_capacity),
-            max_descriptor_bytes=case.max_descriptor_bytes,
-        ),
-        num_tokens=case.num_tokens if case.pass_num_tokens else None,
-    )
+    def plan() -> RequestPlan:
+        return plan_request(
+            topo,
+            decode_rank,
+            case.seed,
+            local_regions,
+            remote_tables,
+            local_ids,
+            remote_ids,
+            PlanOptions(
+                max_descriptors_per_batch=case.cap,
+                coalesce_runs=case.coalesce_runs,
+                staging=StagingArea(staging_base, staging_capacity),
+                max_descriptor_bytes=case.max_descriptor_bytes,
+            ),
+            num_tokens=case.num_tokens if case.pass_num_tokens else None,
+        )
+
+    if case.prefill_block != case.decode_block and BlockOrder.HEAD_MAJOR in {
+        local_layouts[0].block_order,
+        remote_tables[0][0].layout.block_order,
+    }:
+        with pytest.raises(LayoutError, match="with head-major blocks: a head-major"):
+            plan()
+        return None
+    plan = plan()
     execute_plan(plan, local_space, remote_spaces)
 
     expected = before.copy()
@@ -289,28 +307,24 @@ def test_every_layout_tp_pair_and_ratio(kind, tps, blocks, cached_blocks) -> Non
         run_case(case, decode_rank)
 
 
-def test_decode_block_twice_prefill_block_head_major_descriptors() -> None:
-    """Bp=2, Bd=4, 2 heads, TP 1 -> 1: one descriptor per (prefill block, head) at the slot
-    offset of its decode block; no fix-up."""
+def test_head_major_blocks_with_different_block_sizes_are_refused() -> None:
+    """A head-major (block, head) chunk is opaque (vLLM CPU: K rows then V rows, ISA-packed), so
+    it is never split by token: prefill 32 / decode 64 on vLLM CPU is refused at the handshake."""
     topo = TransferTopology(2, 1, 1)
-    prefill = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 2 * 8, 2, 2, 8)
-    decode = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 4 * 8, 2, 4, 8)
+    prefill = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 32 * 8, 2, 32, 8)
+    decode = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 64 * 8, 2, 64, 8)
     local = [Region("l0", 1 << 40, decode)]
     remote = {0: [Region("l0", 2 << 40, prefill)]}
-    plan = plan_request(topo, 0, 0, local, remote, [5, 1], [3, 6, 2], num_tokens=5)
-    (batch,) = plan.peers[0].batches
-    chunk_d, chunk_p = 4 * 8, 2 * 8
-    expected = [
-        (5 * 64 + h * chunk_d + slot * 8, b * 32 + h * chunk_p, 16)
-        for slot, b in ((0, 3), (2, 6))
-        for h in range(2)
-    ] + [(1 * 64 + h * chunk_d, 2 * 32 + h * chunk_p, 16) for h in range(2)]
-    got = [
-        (int(loc) - (1 << 40), int(rem) - (2 << 40), int(n))
-        for loc, rem, n in zip(batch.local_addrs, batch.remote_addrs, batch.lengths, strict=True)
-    ]
-    assert sorted(got) == sorted(expected)
-    assert plan.fixups == []
+    with pytest.raises(
+        LayoutError, match="block size 32 on prefill vs 64 on decode with head-major"
+    ):
+        plan_request(topo, 0, 0, local, remote, [5], [3, 6], num_tokens=50)
+    # one single-head side declared head-major is refused too (its chunk is just as opaque)
+    single = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 32 * 8, 1, 32, 8)
+    token_major = RegionLayout(BlockOrder.TOKEN_MAJOR, 8, 2 * 64 * 8, 2, 64, 8)
+    with pytest.raises(LayoutError, match="head-major"):
+        check_pairable(token_major, single)
+    check_pairable(RegionLayout(BlockOrder.TOKEN_MAJOR, 8, 32 * 8, 1, 32, 8), token_major)
 
 
 def test_token_major_merge_swaps_only_filled_rows() -> None:

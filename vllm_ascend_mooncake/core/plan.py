@@ -748,10 +748,9 @@ def _plan_mixed_block_sizes(
 ) -> RequestPlan:
     """Plan a request whose prefill and decode block sizes differ (one divides the other).
 
-    Everything moves in token pieces (:func:`align_tokens`):
+    Everything moves in token pieces (:func:`align_tokens`). Only blocks with token rows qualify
+    (:func:`check_pairable` refuses head-major blocks, whose (block, head) chunks are opaque):
 
-    * head-major: one descriptor per (piece, head), the head's rows of the piece being
-      contiguous on both sides; merge and slice pick the pull's heads directly, no fix-up.
     * token-major (and MLA latent), whole heads or merge: a piece is contiguous on both sides;
       pull ``j`` lands its pieces at the ``j``-th slice of the filled part of the decode block,
       ``[k][filled tokens][n heads]``, which one swap per decode block turns into
@@ -814,29 +813,7 @@ def _plan_mixed_block_sizes(
         g = pieces.tokens
         kind = _move_kind(ll, rl, pulls[0])
         local_blocks = local.base + pieces.local_blocks * ll.block_stride
-        if effective_order(ll, rl) is BlockOrder.HEAD_MAJOR:
-            htb = ll.head_token_bytes
-            for pull, remote in zip(pulls, peers, strict=True):
-                remote_blocks = remote.base + pieces.remote_blocks * remote.layout.block_stride
-                src = np.asarray(pull.src_heads, dtype=np.int64)
-                dst = np.asarray(pull.dst_heads, dtype=np.int64)
-                local_addrs = (
-                    local_blocks[:, None]
-                    + dst[None, :] * ll.head_chunk_bytes
-                    + (pieces.local_slots * htb)[:, None]
-                )
-                remote_addrs = (
-                    remote_blocks[:, None]
-                    + src[None, :] * remote.layout.head_chunk_bytes
-                    + (pieces.remote_slots * htb)[:, None]
-                )
-                add(
-                    pull,
-                    local_addrs.reshape(-1),
-                    remote_addrs.reshape(-1),
-                    np.full(local_addrs.size, g * htb, dtype=np.int64),
-                )
-        elif kind == _MoveKind.SLICE:
+        if kind == _MoveKind.SLICE:
             pull, remote = pulls[0], peers[0]
             rl = remote.layout
             remote_starts = (
