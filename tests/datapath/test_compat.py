@@ -81,3 +81,34 @@ def test_mismatches_are_named(remote, message) -> None:
 def test_the_served_name_alone_may_differ() -> None:
     renamed = msgspec.structs.replace(IDENTITY, model="/models/tiny-on-another-host")
     check_peer(metadata(4, 1), metadata(2, 2, identity=renamed), TOPO)
+
+
+def test_token_major_blocks_of_divisible_sizes_pass() -> None:
+    """Prefill 32, decode 64 tokens per block: accepted for token-major blocks."""
+    decode = metadata(
+        4,
+        1,
+        identity=msgspec.structs.replace(IDENTITY, block_size=64),
+        order=BlockOrder.TOKEN_MAJOR,
+        tokens=64,
+    )
+    check_peer(decode, metadata(2, 2, order=BlockOrder.TOKEN_MAJOR), TOPO)
+
+
+@pytest.mark.parametrize(
+    "decode_block,order,message",
+    [
+        (64, BlockOrder.HEAD_MAJOR, "block size 32 on prefill vs 64 on decode with head-major"),
+        (48, BlockOrder.TOKEN_MAJOR, "block_size 32 on prefill vs 48 on decode: neither divides"),
+    ],
+)
+def test_block_sizes_that_cannot_be_mapped_are_named(decode_block, order, message) -> None:
+    decode = metadata(
+        4,
+        1,
+        identity=msgspec.structs.replace(IDENTITY, block_size=decode_block),
+        order=order,
+        tokens=decode_block,
+    )
+    with pytest.raises(IncompatiblePeerError, match=message):
+        check_peer(decode, metadata(2, 2, order=order), TOPO)
