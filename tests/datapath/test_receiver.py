@@ -28,7 +28,7 @@ from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient
 from vllm_ascend_mooncake.datapath.transport import TransferError
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, owned_heads
+from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
 
 HOST = "127.0.0.1"
 BLOCK_SIZE, HEAD_SIZE, LAYERS = 16, 8, 2
@@ -48,21 +48,28 @@ FAST = ReceiverOptions(
 class Cache:
     """A vLLM-shaped CPU KV cache: one allocation, one ``[blocks, H, N, C]`` view per layer."""
 
-    def __init__(self, heads: int, num_blocks: int, token_major: bool, seed: int) -> None:
-        page = heads * BLOCK_SIZE * CONTENT
+    def __init__(
+        self,
+        heads: int,
+        num_blocks: int,
+        token_major: bool,
+        seed: int,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        page = heads * block_size * CONTENT
         self.raw = torch.empty(LAYERS * num_blocks * page, dtype=torch.float16)
         if token_major:
             strides = (page, CONTENT, heads * CONTENT, 1)
         else:
-            strides = (page, BLOCK_SIZE * CONTENT, CONTENT, 1)
+            strides = (page, block_size * CONTENT, CONTENT, 1)
         views = {
             f"layer.{i}": self.raw.as_strided(
-                (num_blocks, heads, BLOCK_SIZE, CONTENT), strides, i * num_blocks * page
+                (num_blocks, heads, block_size, CONTENT), strides, i * num_blocks * page
             )
             for i in range(LAYERS)
         }
         self.regions = regions_from_vllm_views(
-            views, num_kv_heads=heads, block_size=BLOCK_SIZE, is_mla=False
+            views, num_kv_heads=heads, block_size=block_size, is_mla=False
         )
         self.bytes = self.raw.view(torch.uint8).numpy()
         self.bytes[:] = np.random.default_rng(seed).integers(0, 256, self.bytes.size, np.uint8)
@@ -95,9 +102,9 @@ def metadata(
 class Prefill:
     """One prefill rank: a reference-filled cache, its transport and its side channel."""
 
-    def __init__(self, topo, rank, port, ref, token_major) -> None:
+    def __init__(self, topo, rank, port, ref, token_major, block_size=BLOCK_SIZE) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank)
-        self.cache = Cache(len(self.heads), PREFILL_BLOCKS, token_major, seed=rank)
+        self.cache = Cache(len(self.heads), PREFILL_BLOCKS, token_major, rank, block_size)
         for index, region in enumerate(self.cache.regions):
             for block in range(PREFILL_BLOCKS):
                 self.cache.block(index, block)[:] = ref.expected_block(
@@ -114,7 +121,7 @@ class Prefill:
             return read_done(transfer_id, decode_rank, success, reader)
 
         self.tracker.read_done = record
-        meta = metadata("prefill", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
+        meta = metadata("prefill", topo, rank, self.transport.session, self.cache, block_size)
         self.sender = PrefillSender(meta, self.tracker, HOST, port)
 
     def close(self) -> None:
@@ -125,15 +132,17 @@ class Prefill:
 class Decode:
     """One decode rank: a real Receiver reading into a CPU cache through its own transport."""
 
-    def __init__(self, topo, rank, token_major, options: ReceiverOptions, staging=True) -> None:
+    def __init__(
+        self, topo, rank, token_major, options: ReceiverOptions, staging=True, block_size=BLOCK_SIZE
+    ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank)
-        self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, seed=100 + rank)
+        self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, 100 + rank, block_size)
         self.staging = torch.zeros(1 << 16, dtype=torch.uint8)
         self.transport = InProcessTransport()
         self.transport.register(storage_ranges([self.cache.raw, self.staging]))
         self.snapshot = self.cache.bytes.copy()
         self.client = SideChannelClient(timeout_s=5)
-        meta = metadata("decode", topo, rank, self.transport.session, self.cache, BLOCK_SIZE)
+        meta = metadata("decode", topo, rank, self.transport.session, self.cache, block_size)
         self.peers = PeerDirectory(self.client, meta, topo)
         pool = StagingPool([StagingArea(self.staging.data_ptr(), self.staging.numel())])
         self.receiver = Receiver(
@@ -180,12 +189,24 @@ class Decode:
 
 
 class Cluster:
-    def __init__(self, heads, prefill_tp, decode_tp, token_major=False, options=FAST, **kw):
+    def __init__(
+        self,
+        heads,
+        prefill_tp,
+        decode_tp,
+        token_major=False,
+        options=FAST,
+        prefill_block=BLOCK_SIZE,
+        **kw,
+    ):
         self.topo = TransferTopology(heads, prefill_tp, decode_tp)
-        self.ref = ReferenceKV.random(LAYERS, PREFILL_BLOCKS, heads, BLOCK_SIZE, HEAD_TOKEN_BYTES)
+        self.ref = ReferenceKV.random(
+            LAYERS, PREFILL_BLOCKS, heads, prefill_block, HEAD_TOKEN_BYTES
+        )
         self.port = free_port_range(prefill_tp)
         self.prefill = [
-            Prefill(self.topo, r, self.port + r, self.ref, token_major) for r in range(prefill_tp)
+            Prefill(self.topo, r, self.port + r, self.ref, token_major, prefill_block)
+            for r in range(prefill_tp)
         ]
         self.decode = [Decode(self.topo, r, token_major, options, **kw) for r in range(decode_tp)]
 
@@ -408,3 +429,47 @@ def test_the_fake_transport_refuses_reads_outside_registered_memory() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def _offsets(cache: Cache) -> list[int]:
+    return [region.base - cache.raw.data_ptr() for region in cache.regions]
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2), (1, 1)])
+@pytest.mark.parametrize("cached_blocks", [0, 1])
+def test_token_major_blocks_of_different_sizes_land_token_by_token(
+    cluster, blocks, tps, cached_blocks
+) -> None:
+    """Prefill and decode block sizes differ (one divides the other): the real receiver plans with
+    the prompt length and every decode slot holds its token, checked against ReferencePrompt."""
+    prefill_block, decode_block = blocks
+    c = cluster(4, *tps, token_major=True, prefill_block=prefill_block, block_size=decode_block)
+    prompt = ReferencePrompt.random(
+        LAYERS, -(-PROMPT_TOKENS // prefill_block) * prefill_block, 4, HEAD_TOKEN_BYTES, seed=3
+    )
+    remote = [11, 3, 4, 5, 0, 9, 10, 2][: -(-PROMPT_TOKENS // prefill_block)]
+    decode_count = -(-PROMPT_TOKENS // decode_block)
+    local = [8, 9, 10, 1, 5, 6, 13][:decode_count][cached_blocks:]
+    for prefill in c.prefill:
+        layouts = [region.layout for region in prefill.cache.regions]
+        prompt.place(prefill.cache.bytes, layouts, _offsets(prefill.cache), prefill.heads, remote)
+    c.pull("r1", local, remote)
+    for decode in c.decode:
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed
+        expected = decode.snapshot.copy()
+        layouts = [region.layout for region in decode.cache.regions]
+        prompt.place(expected, layouts, _offsets(decode.cache), decode.heads, local, cached_blocks)
+        assert np.array_equal(decode.cache.bytes, expected)
+    assert all(c.freed(p, "r1") for p in c.prefill)
+
+
+def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(cluster) -> None:
+    c = cluster(4, 1, 1, prefill_block=16, block_size=32)
+    (decode,) = c.decode
+    c.pull("r1", [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7])
+    decode.wait(["r1"])
+    assert "with head-major blocks" in str(decode.failed["r1"])
+    assert np.array_equal(decode.cache.bytes, decode.snapshot)
+    # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)
