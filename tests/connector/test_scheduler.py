@@ -400,3 +400,29 @@ def test_decode_with_a_network_address_warns_once_about_a_prefill_on_loopback(ca
     with caplog.at_level(logging.WARNING):
         same_host.get_num_new_matched_tokens(request("d-50", 70, overlapped_params("t-50")), 0)
     assert not [r for r in caplog.records if "loopback address" in r.getMessage()]
+
+
+def test_decode_with_a_larger_block_takes_the_prefill_block_count() -> None:
+    """Prefill at 32 tokens per block, decode at 64: the params name the prefill block size, and
+    decode checks the prefill blocks against it while allocating its own (fewer) blocks."""
+    params = prefill_params(70)
+    assert params["remote_block_size"] == BLOCK
+    d = connector_scheduler(
+        "kv_consumer", prefill_tp=2, num_kv_heads=4, block_size=64, extra={"side_channel_port": 1}
+    )
+    req = request("d-8", 70, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    d.update_state_after_alloc(req, blocks([4, 5]), 70)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.local_block_ids == (4, 5) and pull.remote_block_ids == (7, 8, 9)
+    assert pull.num_prompt_tokens == 70
+
+
+@pytest.mark.parametrize("remote_block_size", [48, 0])
+def test_decode_refuses_a_prefill_block_size_that_does_not_divide(remote_block_size) -> None:
+    params = prefill_params(70)
+    params["remote_block_size"] = remote_block_size
+    d = scheduler("kv_consumer")
+    req = request("d-9", 70, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False

@@ -412,8 +412,8 @@ def test_mismatched_geometry_is_refused() -> None:
     remote = {0: [Region("l0", 2 << 40, RegionLayout(BlockOrder.TOKEN_MAJOR, 4, 64, 2, 4, 8))]}
     with pytest.raises(LayoutError, match="block order token_major on prefill vs head_major"):
         plan_request(topo, 0, 0, local, remote, [0], [0])
-    remote = {0: [Region("l0", 2 << 40, RegionLayout(BlockOrder.HEAD_MAJOR, 4, 128, 2, 8, 8))]}
-    with pytest.raises(LayoutError, match="block size 8 on prefill vs 4 on decode"):
+    remote = {0: [Region("l0", 2 << 40, RegionLayout(BlockOrder.HEAD_MAJOR, 4, 96, 2, 6, 8))]}
+    with pytest.raises(LayoutError, match="block size 6 on prefill vs 4 on decode"):
         plan_request(topo, 0, 0, local, remote, [0], [0])
     with pytest.raises(PlanError, match="registered 2 KV regions"):
         plan_request(topo, 0, 0, local, {0: remote[0] * 2}, [0], [0])

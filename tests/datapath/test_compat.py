@@ -118,3 +118,34 @@ def test_mla_regions_of_different_widths_in_one_layer_pair_region_by_region(
         IncompatiblePeerError, match=r"layer\.0\.rope: 64 B per head per token on prefill vs 128 B"
     ):
         check_peer(ascend_mla_metadata(decode_tp), narrower_rope, topology)
+
+
+def test_token_major_blocks_of_divisible_sizes_pass() -> None:
+    """Prefill 32, decode 64 tokens per block: accepted for token-major blocks."""
+    decode = metadata(
+        4,
+        1,
+        identity=msgspec.structs.replace(IDENTITY, block_size=64),
+        order=BlockOrder.TOKEN_MAJOR,
+        tokens=64,
+    )
+    check_peer(decode, metadata(2, 2, order=BlockOrder.TOKEN_MAJOR), TOPO)
+
+
+@pytest.mark.parametrize(
+    "decode_block,order,message",
+    [
+        (64, BlockOrder.HEAD_MAJOR, "block size 32 on prefill vs 64 on decode with head-major"),
+        (48, BlockOrder.TOKEN_MAJOR, "block_size 32 on prefill vs 48 on decode: neither divides"),
+    ],
+)
+def test_block_sizes_that_cannot_be_mapped_are_named(decode_block, order, message) -> None:
+    decode = metadata(
+        4,
+        1,
+        identity=msgspec.structs.replace(IDENTITY, block_size=decode_block),
+        order=order,
+        tokens=decode_block,
+    )
+    with pytest.raises(IncompatiblePeerError, match=message):
+        check_peer(decode, metadata(2, 2, order=order), TOPO)

@@ -150,13 +150,14 @@ def test_a_request_naming_another_engine_is_refused(prefill, client) -> None:
 
 def test_an_incompatible_peer_is_refused_and_never_cached(client) -> None:
     port = free_port_range(1)
-    other_block_size = metadata("prefill", 1, HEADS, block_size=2 * BLOCK_SIZE)
+    # 24 vs 16 tokens per block: neither divides the other (divisible sizes may pair)
+    other_block_size = metadata("prefill", 1, HEADS, block_size=3 * BLOCK_SIZE // 2)
     sender = PrefillSender(other_block_size, SendTracker(TOPOLOGY, 0, 30.0), HOST, port)
     try:
         peers = directory(client)
         for fetches in (1, 2):
             with pytest.raises(
-                IncompatiblePeerError, match="block_size 32 on prefill vs 16 on decode"
+                IncompatiblePeerError, match="block_size 24 on prefill vs 16 on decode: neither"
             ):
                 peers.get(HOST, port)
             assert client.fetches == fetches

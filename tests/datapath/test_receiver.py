@@ -34,7 +34,7 @@ from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient
 from vllm_ascend_mooncake.datapath.transport import TransferError
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, owned_heads
+from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
 
 HOST = "127.0.0.1"
 BLOCK_SIZE, HEAD_SIZE, LAYERS = 16, 8, 2
@@ -59,7 +59,13 @@ class Cache:
     tensor ``[blocks, N, 1, width]``, each its own allocation)."""
 
     def __init__(
-        self, heads: int, num_blocks: int, token_major: bool, seed: int, mla_widths=()
+        self,
+        heads: int,
+        num_blocks: int,
+        token_major: bool,
+        seed: int,
+        mla_widths=(),
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         if mla_widths:
             caches = {
@@ -78,21 +84,21 @@ class Cache:
                 is_mla=True,
             )
         else:
-            page = heads * BLOCK_SIZE * CONTENT
+            page = heads * block_size * CONTENT
             raw = torch.empty(LAYERS * num_blocks * page, dtype=torch.float16)
             if token_major:
                 strides = (page, CONTENT, heads * CONTENT, 1)
             else:
-                strides = (page, BLOCK_SIZE * CONTENT, CONTENT, 1)
+                strides = (page, block_size * CONTENT, CONTENT, 1)
             views = {
                 f"layer.{i}": raw.as_strided(
-                    (num_blocks, heads, BLOCK_SIZE, CONTENT), strides, i * num_blocks * page
+                    (num_blocks, heads, block_size, CONTENT), strides, i * num_blocks * page
                 )
                 for i in range(LAYERS)
             }
             self.tensors = [raw]
             self.regions = regions_from_vllm_views(
-                views, num_kv_heads=heads, block_size=BLOCK_SIZE, is_mla=False
+                views, num_kv_heads=heads, block_size=block_size, is_mla=False
             )
         self.arrays = [t.view(-1).view(torch.uint8).numpy() for t in self.tensors]
         rng = np.random.default_rng(seed)
@@ -157,9 +163,13 @@ def metadata(
 class Prefill:
     """One prefill rank: a reference-filled cache, its transport and its side channel."""
 
-    def __init__(self, topo, rank, port, ref, token_major, mla_widths=()) -> None:
+    def __init__(
+        self, topo, rank, port, ref, token_major, mla_widths=(), block_size=BLOCK_SIZE
+    ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank, topo.is_mla)
-        self.cache = Cache(len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths)
+        self.cache = Cache(
+            len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths, block_size
+        )
         for index, region in enumerate(self.cache.regions):
             for block in range(PREFILL_BLOCKS):
                 self.cache.block(index, block)[:] = ref.expected_block(
@@ -182,7 +192,7 @@ class Prefill:
             rank,
             self.transport.session,
             self.cache,
-            BLOCK_SIZE,
+            block_size,
             sum(mla_widths) or HEAD_SIZE,
         )
         self.sender = PrefillSender(meta, self.tracker, HOST, port)
@@ -205,9 +215,12 @@ class Decode:
         staging_bytes=1 << 16,
         memory_type=LocalMemory,
         mla_widths=(),
+        block_size=BLOCK_SIZE,
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank, topo.is_mla)
-        self.cache = Cache(len(self.heads), DECODE_BLOCKS, token_major, 100 + rank, mla_widths)
+        self.cache = Cache(
+            len(self.heads), DECODE_BLOCKS, token_major, 100 + rank, mla_widths, block_size
+        )
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         self.transport = InProcessTransport()
         self.transport.register(storage_ranges([*self.cache.tensors, self.staging]))
@@ -219,7 +232,7 @@ class Decode:
             rank,
             self.transport.session,
             self.cache,
-            BLOCK_SIZE,
+            block_size,
             sum(mla_widths) or HEAD_SIZE,
         )
         self.peers = PeerDirectory(self.client, meta, topo)
@@ -270,7 +283,15 @@ class Decode:
 
 class Cluster:
     def __init__(
-        self, heads, prefill_tp, decode_tp, token_major=False, options=FAST, mla_widths=(), **kw
+        self,
+        heads,
+        prefill_tp,
+        decode_tp,
+        token_major=False,
+        options=FAST,
+        mla_widths=(),
+        prefill_block=BLOCK_SIZE,
+        **kw,
     ):
         self.topo = TransferTopology(heads, prefill_tp, decode_tp, is_mla=bool(mla_widths))
         if mla_widths:  # one reference region per MLA tensor, each as wide as the tensor
@@ -278,11 +299,11 @@ class Cluster:
             self.ref = ReferenceKV.random(len(widths), PREFILL_BLOCKS, 1, BLOCK_SIZE, widths)
         else:
             self.ref = ReferenceKV.random(
-                LAYERS, PREFILL_BLOCKS, heads, BLOCK_SIZE, HEAD_TOKEN_BYTES
+                LAYERS, PREFILL_BLOCKS, heads, prefill_block, HEAD_TOKEN_BYTES
             )
         self.port = free_port_range(prefill_tp)
         self.prefill = [
-            Prefill(self.topo, r, self.port + r, self.ref, token_major, mla_widths)
+            Prefill(self.topo, r, self.port + r, self.ref, token_major, mla_widths, prefill_block)
             for r in range(prefill_tp)
         ]
         self.decode = [
@@ -685,3 +706,50 @@ def test_a_prefill_configured_for_decode_tp_2_serves_a_tp_1_decode(cluster) -> N
         assert prefill.notices == [("t-r1", 0, True)]
     finally:
         decode.close()
+
+
+def _offsets(cache: Cache) -> list[int]:
+    """Where each region starts in the cache's one allocation (not an MLA cache)."""
+    return [region.base - cache.tensors[0].data_ptr() for region in cache.regions]
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2), (1, 1)])
+@pytest.mark.parametrize("cached_blocks", [0, 1])
+def test_token_major_blocks_of_different_sizes_land_token_by_token(
+    cluster, blocks, tps, cached_blocks
+) -> None:
+    """Prefill and decode block sizes differ (one divides the other): the real receiver plans with
+    the prompt length and every decode slot holds its token, checked against ReferencePrompt."""
+    prefill_block, decode_block = blocks
+    c = cluster(4, *tps, token_major=True, prefill_block=prefill_block, block_size=decode_block)
+    prompt = ReferencePrompt.random(
+        LAYERS, -(-PROMPT_TOKENS // prefill_block) * prefill_block, 4, HEAD_TOKEN_BYTES, seed=3
+    )
+    remote = [11, 3, 4, 5, 0, 9, 10, 2][: -(-PROMPT_TOKENS // prefill_block)]
+    decode_count = -(-PROMPT_TOKENS // decode_block)
+    local = [8, 9, 10, 1, 5, 6, 13][:decode_count][cached_blocks:]
+    for prefill in c.prefill:
+        layouts = [region.layout for region in prefill.cache.regions]
+        prompt.place(
+            prefill.cache.arrays[0], layouts, _offsets(prefill.cache), prefill.heads, remote
+        )
+    c.pull("r1", local, remote)
+    for decode in c.decode:
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed
+        expected = decode.snapshot.copy()
+        layouts = [region.layout for region in decode.cache.regions]
+        prompt.place(expected, layouts, _offsets(decode.cache), decode.heads, local, cached_blocks)
+        assert np.array_equal(decode.cache.bytes, expected)
+    assert all(c.freed(p, "r1") for p in c.prefill)
+
+
+def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(cluster) -> None:
+    c = cluster(4, 1, 1, prefill_block=16, block_size=32)
+    (decode,) = c.decode
+    c.pull("r1", [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7])
+    decode.wait(["r1"])
+    assert "with head-major blocks" in str(decode.failed["r1"])
+    assert np.array_equal(decode.cache.bytes, decode.snapshot)
+    # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)

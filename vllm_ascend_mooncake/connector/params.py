@@ -45,6 +45,8 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     #: None: prefill is still computing; its read lease will carry the block ids.
     remote_block_ids: list[int] | None = None
     remote_num_tokens: int | None = None
+    #: Tokens per block on prefill (None: the decode's own), which ``remote_block_ids`` count in.
+    remote_block_size: int | None = None
     #: The prefill engine among its API server's data-parallel engines, numbered as vLLM's
     #: ``X-data-parallel-rank`` header takes it, and how many engines that server fronts: what
     #: lets a proxy pin a request to the engine whose address it sends decode.
@@ -96,12 +98,22 @@ def parse_remote_prefill(
             f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
             f"request has {num_prompt_tokens}: the prompts differ"
         )
-    expected_blocks = -(-num_prompt_tokens // block_size)
+    prefill_block_size = (
+        block_size if parsed.remote_block_size is None else parsed.remote_block_size
+    )
+    if prefill_block_size < 1 or (
+        prefill_block_size % block_size and block_size % prefill_block_size
+    ):
+        raise InvalidTransferParams(
+            f"prefill block size {parsed.remote_block_size} and decode block size {block_size}: "
+            f"neither divides the other"
+        )
+    expected_blocks = -(-num_prompt_tokens // prefill_block_size)
     blocks = parsed.remote_block_ids
     if len(blocks) > MAX_REMOTE_BLOCKS or len(blocks) != expected_blocks:
         raise InvalidTransferParams(
             f"{len(blocks)} remote blocks for {num_prompt_tokens} tokens of block size "
-            f"{block_size} (expected {expected_blocks})"
+            f"{prefill_block_size} (expected {expected_blocks})"
         )
     if any(b < 0 for b in blocks):
         raise InvalidTransferParams("negative remote block id")

@@ -327,6 +327,7 @@ class ConnectorScheduler:
             remote_block_ids=list(prompt_blocks),
             remote_tp_size=self.config.prefill.tp_size,
             remote_num_tokens=request.num_prompt_tokens,
+            remote_block_size=self.config.block_size,
             remote_dp_rank=self.config.server_dp_rank,
             remote_dp_size=self.config.server_dp_size,
         ).to_dict()

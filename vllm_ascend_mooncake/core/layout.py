@@ -300,7 +300,11 @@ def effective_order(local: RegionLayout, remote: RegionLayout) -> BlockOrder:
 
 
 def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "region") -> None:
-    """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head."""
+    """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head.
+
+    Block sizes may differ when one divides the other and the blocks have token rows (token-major
+    or MLA latent; the planner maps them token by token); the order, head size and dtype must
+    match."""
     problems = []
     if local.block_order is not remote.block_order and not (
         _order_free(local) or _order_free(remote)
@@ -309,9 +313,18 @@ def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "re
             f"block order {remote.block_order.value} on prefill vs "
             f"{local.block_order.value} on decode"
         )
-    if local.tokens_per_block != remote.tokens_per_block:
+    bp, bd = remote.tokens_per_block, local.tokens_per_block
+    if bp % bd and bd % bp:
         problems.append(
-            f"block size {remote.tokens_per_block} on prefill vs {local.tokens_per_block} on decode"
+            f"block size {bp} on prefill vs {bd} on decode: neither divides the other, so "
+            f"blocks cannot be mapped onto each other token-aligned"
+        )
+    elif bp != bd and BlockOrder.HEAD_MAJOR in (local.block_order, remote.block_order):
+        problems.append(
+            f"block size {bp} on prefill vs {bd} on decode with head-major blocks: a head-major "
+            f"(block, head) chunk is opaque (vLLM CPU stores all its K rows, then all its V rows, "
+            f"packed per ISA kernel), so it cannot be split by token; different block sizes need "
+            f"token-major (or MLA latent) blocks on both sides"
         )
     if local.head_token_bytes != remote.head_token_bytes:
         problems.append(

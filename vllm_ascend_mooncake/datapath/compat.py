@@ -10,8 +10,9 @@ from ..core.layout import LayoutError, check_pairable
 from ..core.topology import TransferTopology
 from .wire import WorkerMetadata
 
-#: Identity fields that name things for messages but need not match.
-_NAMES_ONLY = ("model",)
+#: Identity fields that name things for messages but need not match. Block sizes may differ
+#: when one divides the other (checked below; the regions say whether their blocks can be split).
+_NAMES_ONLY = ("model", "block_size")
 
 
 class IncompatiblePeerError(ValueError):
@@ -28,6 +29,14 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
         if field not in _NAMES_ONLY
         and getattr(remote.identity, field) != getattr(local.identity, field)
     ]
+    remote_block, local_block = remote.identity.block_size, local.identity.block_size
+    if min(remote_block, local_block) < 1 or (
+        remote_block % local_block and local_block % remote_block
+    ):
+        problems.append(
+            f"block_size {remote_block} on prefill vs {local_block} on decode: neither divides "
+            f"the other"
+        )
     if problems:
         problems.append(
             f"prefill serves {remote.identity.model!r}, decode {local.identity.model!r}"

@@ -373,6 +373,7 @@ class Receiver:
                     staging=staging,
                     max_descriptor_bytes=self._options.max_descriptor_bytes,
                 ),
+                num_tokens=pull.num_prompt_tokens if pull.num_prompt_tokens >= 0 else None,
             )
         except Exception:
             if staging is not None:

@@ -103,6 +103,72 @@ class ReferenceKV:
                 )
 
 
+def block_content(serialized: np.ndarray, layout: RegionLayout) -> np.ndarray:
+    """The inverse of :func:`block_bytes`: one block's bytes as ``[heads, tokens, bytes]``."""
+    h, n, c = layout.num_heads, layout.tokens_per_block, layout.head_token_bytes
+    if layout.block_order is BlockOrder.TOKEN_MAJOR:
+        return serialized.reshape(n, h, c).transpose(1, 0, 2)
+    return serialized.reshape(h, n, c)
+
+
+@dataclass
+class ReferencePrompt:
+    """Full KV of a prompt token by token: ``data[region, token, head, byte]`` (uint8).
+
+    Independent of any block size: a side with ``B`` tokens per block holds token ``t`` in its
+    ``t // B``-th block of the request at slot ``t % B``. Used to check plans between prefill and
+    decode instances whose block sizes differ.
+    """
+
+    data: np.ndarray
+
+    @classmethod
+    def random(
+        cls,
+        num_regions: int,
+        num_tokens: int,
+        num_heads: int,
+        head_token_bytes: int,
+        seed: int = 0,
+    ) -> ReferencePrompt:
+        rng = np.random.default_rng(seed)
+        shape = (num_regions, num_tokens, num_heads, head_token_bytes)
+        return cls(rng.integers(0, 256, size=shape, dtype=np.uint8))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[1]
+
+    def place(
+        self,
+        memory: np.ndarray,
+        layouts: Sequence[RegionLayout],
+        offsets: Sequence[int],
+        heads: Sequence[int],
+        block_ids: Sequence[int],
+        first_block: int = 0,
+    ) -> None:
+        """Write the tokens a side holds into ``memory``, token by token.
+
+        ``block_ids[i]`` is the side's ``first_block + i``-th block of the prompt, holding tokens
+        ``(first_block + i) * B + s`` at slot ``s``. Slots past the reference's last token keep
+        their bytes. ``layouts[i]`` holds reference region ``i`` with the given global heads.
+        """
+        for region, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+            size = layout.tokens_per_block
+            for i, block in enumerate(block_ids):
+                first = (first_block + i) * size
+                count = max(0, min(size, self.num_tokens - first))
+                if count == 0:
+                    continue
+                start = offset + int(block) * layout.block_stride
+                span = memory[start : start + layout.block_len]
+                content = block_content(span.copy(), layout).copy()
+                tokens = self.data[region, first : first + count][:, list(heads)]
+                content[:, :count] = tokens.transpose(1, 0, 2)
+                span[:] = block_bytes(content, layout.block_order)
+
+
 class AddressSpace:
     """Numpy buffers at fake addresses; every access must stay inside one buffer."""
 
