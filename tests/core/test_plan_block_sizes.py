@@ -26,9 +26,9 @@ from vllm_ascend_mooncake.core.plan import (
     PlanOptions,
     RequestPlan,
     StagingArea,
-    align_tokens,
     plan_request,
 )
+from vllm_ascend_mooncake.core.plan_tokens import align_tokens
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
 from vllm_ascend_mooncake.testing.kv_reference import (
     AddressSpace,

@@ -29,8 +29,7 @@ How each (decode region, pull) is moved, with ``n`` heads per pull, ``k`` pulls 
     the needed heads are copied row by row into the decode blocks as each batch lands.
 
 Different block sizes (one dividing the other, e.g. prefill 32 and decode 64 tokens) are planned
-separately, token-aligned, by ``_plan_mixed_block_sizes`` (see :func:`align_tokens`); equal
-block sizes never take that path.
+separately, token-aligned, by :mod:`.plan_tokens`; equal block sizes never take that path.
 """
 
 from __future__ import annotations
@@ -339,8 +338,11 @@ def plan_request(
     counts against it, and need it when the prefill block is the larger one.
     """
     options = options or PlanOptions()
-    if _block_sizes_differ(local_regions, remote_regions, topology.pulls_for(decode_rank, seed)):
-        return _plan_mixed_block_sizes(
+    if block_sizes_differ(local_regions, remote_regions, topology.pulls_for(decode_rank, seed)):
+        # Imported here: that module builds on this one's descriptor and staging helpers.
+        from .plan_tokens import plan_mixed_block_sizes
+
+        return plan_mixed_block_sizes(
             topology,
             decode_rank,
             seed,
@@ -627,277 +629,15 @@ def _group_swaps(swaps: list[SwapAxes]) -> list[SwapAxes]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------
-# Different block sizes on prefill and decode
-
-
-@dataclass(frozen=True)
-class TokenPieces:
-    """Pieces of ``tokens`` consecutive prompt tokens, the unit moved when block sizes differ.
-
-    Piece ``i`` holds the tokens at slots ``remote_slots[i]..+tokens`` of prefill block
-    ``remote_blocks[i]``, which land at slots ``local_slots[i]..+tokens`` of decode block
-    ``local_blocks[i]``. ``local_filled[i]`` is how many leading slots of that decode block the
-    transfer fills (fewer than its block size only in the last decode block).
-    """
-
-    tokens: int
-    local_blocks: np.ndarray
-    local_slots: np.ndarray
-    remote_blocks: np.ndarray
-    remote_slots: np.ndarray
-    local_filled: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.local_blocks)
-
-
-def align_tokens(
-    local_block_ids: Sequence[int],
-    remote_block_ids: Sequence[int],
-    *,
-    decode_block_size: int,
-    prefill_block_size: int,
-    num_tokens: int | None = None,
-) -> TokenPieces:
-    """Pair decode and prefill blocks token by token when one block size divides the other.
-
-    Token ``t`` of the prompt sits in prefill block ``remote[t // Bp]`` at slot ``t % Bp`` and
-    lands in decode block ``t // Bd`` at slot ``t % Bd``. The decode side may cache a prefix of
-    whole decode blocks: ``local_block_ids`` are the last decode blocks of the prompt, and the
-    tokens before them are not read. The pieces are ``min(Bp, Bd)`` tokens, so a piece never
-    straddles a block on either side. Tokens past the end of the prompt that share a moved piece
-    are moved too (as with equal block sizes, where whole blocks move); decode slots that no
-    prefill block covers are left untouched.
-
-    The number of decode blocks of the prompt follows from the prefill block count when the
-    decode block is the larger one; otherwise ``num_tokens`` (the prompt length) is required.
-    """
-    bd, bp = decode_block_size, prefill_block_size
-    if bd % bp and bp % bd:
-        raise PlanError(f"block size {bp} on prefill vs {bd} on decode: neither divides the other")
-    local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-    remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    prefill_blocks = len(remote)
-    if num_tokens is not None:
-        expected = -(-num_tokens // bp)
-        if num_tokens < 0 or prefill_blocks != expected:
-            raise PlanError(
-                f"the prefill side holds {prefill_blocks} blocks of {bp} tokens, but a "
-                f"{num_tokens}-token prompt fills {expected}"
-            )
-        decode_blocks = -(-num_tokens // bd)
-    elif bd >= bp:
-        decode_blocks = -(-(prefill_blocks * bp) // bd)
-    else:
-        raise PlanError(
-            f"prefill block size {bp} is larger than the decode block size {bd}: the prompt "
-            f"length (num_tokens) is needed to know how many decode blocks it fills"
-        )
-    if len(local) > decode_blocks:
-        raise PlanError(
-            f"decode side wants {len(local)} blocks of {bd} tokens but the prompt fills only "
-            f"{decode_blocks} (prefill holds {prefill_blocks} blocks of {bp} tokens)"
-        )
-    cached = decode_blocks - len(local)
-    piece = min(bp, bd)
-    end = min(prefill_blocks * bp, decode_blocks * bd)
-    starts = np.arange(cached * bd, end, piece, dtype=np.int64)
-    local_index = starts // bd - cached
-    filled = np.minimum(bd, end - (local_index + cached) * bd)
-    return TokenPieces(
-        tokens=piece,
-        local_blocks=local[local_index],
-        local_slots=starts % bd,
-        remote_blocks=remote[starts // bp],
-        remote_slots=starts % bp,
-        local_filled=filled,
-    )
-
-
-def _block_sizes_differ(
+def block_sizes_differ(
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
     pulls: Sequence[HeadPull],
 ) -> bool:
+    """Whether any region pair of these pulls has different tokens per block on the two sides."""
     for pull in pulls:
         peer = remote_regions.get(pull.prefill_rank) or ()
         for local, remote in zip(local_regions, peer, strict=False):
             if local.layout.tokens_per_block != remote.layout.tokens_per_block:
                 return True
     return False
-
-
-def _coalesce(
-    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge consecutive descriptors that are adjacent on both sides."""
-    if len(local) < 2:
-        return local, remote, lengths
-    joins = (local[:-1] + lengths[:-1] == local[1:]) & (remote[:-1] + lengths[:-1] == remote[1:])
-    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    sums = np.add.reduceat(lengths, starts)
-    return local[starts], remote[starts], sums.astype(np.int64)
-
-
-def _plan_mixed_block_sizes(
-    topology: TransferTopology,
-    decode_rank: int,
-    seed: int,
-    local_regions: Sequence[Region],
-    remote_regions: Mapping[int, Sequence[Region]],
-    local_block_ids: Sequence[int],
-    remote_block_ids: Sequence[int],
-    options: PlanOptions,
-    num_tokens: int | None,
-) -> RequestPlan:
-    """Plan a request whose prefill and decode block sizes differ (one divides the other).
-
-    Everything moves in token pieces (:func:`align_tokens`). Only blocks with token rows qualify
-    (:func:`check_pairable` refuses head-major blocks, whose (block, head) chunks are opaque):
-
-    * token-major (and MLA latent), whole heads or merge: a piece is contiguous on both sides;
-      pull ``j`` lands its pieces at the ``j``-th slice of the filled part of the decode block,
-      ``[k][filled tokens][n heads]``, which one swap per decode block turns into
-      ``[filled tokens][k][n heads]``.
-    * token-major slice: pieces are read through the staging buffer and their needed heads
-      copied row by row, as with equal block sizes.
-
-    Adjacent descriptors are merged when ``coalesce_runs`` is set.
-    """
-    local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-    remote_ids = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    pulls = topology.pulls_for(decode_rank, seed)
-    num_pulls = len(pulls)
-    for pull in pulls:
-        peer_regions = remote_regions.get(pull.prefill_rank)
-        if peer_regions is None:
-            raise PlanError(f"no region table for prefill rank {pull.prefill_rank}")
-        if len(peer_regions) != len(local_regions):
-            raise PlanError(
-                f"prefill rank {pull.prefill_rank} registered {len(peer_regions)} KV regions, "
-                f"the decode rank {len(local_regions)}: the two instances do not run the same model"
-            )
-    pieces_by_sizes: dict[tuple[int, int], TokenPieces] = {}
-    for i, region in enumerate(local_regions):
-        _check_ids(local_ids, region.layout.num_blocks, "decode", f"local region {region.name}")
-        for pull in pulls:
-            remote = remote_regions[pull.prefill_rank][i]
-            check_pairable(region.layout, remote.layout, name=f"region {region.name}")
-            _check_ids(
-                remote_ids,
-                remote.layout.num_blocks,
-                "prefill",
-                f"region {remote.name} of prefill rank {pull.prefill_rank}",
-            )
-            sizes = (region.layout.tokens_per_block, remote.layout.tokens_per_block)
-            if sizes not in pieces_by_sizes:
-                pieces_by_sizes[sizes] = align_tokens(
-                    local_ids,
-                    remote_ids,
-                    decode_block_size=sizes[0],
-                    prefill_block_size=sizes[1],
-                    num_tokens=num_tokens,
-                )
-
-    per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
-    staged_runs: list[_StagedRun] = []
-    fixups: list[SwapAxes] = []
-
-    def add(pull: HeadPull, local: np.ndarray, remote: np.ndarray, length: np.ndarray) -> None:
-        if options.coalesce_runs:
-            local, remote, length = _coalesce(local, remote, length)
-        per_peer[pull.prefill_rank].add(local, remote, length)
-
-    for i, local in enumerate(local_regions):
-        peers = [remote_regions[p.prefill_rank][i] for p in pulls]
-        ll, rl = local.layout, peers[0].layout
-        pieces = pieces_by_sizes[(ll.tokens_per_block, rl.tokens_per_block)]
-        if not len(pieces):
-            continue
-        g = pieces.tokens
-        kind = _move_kind(ll, rl, pulls[0])
-        local_blocks = local.base + pieces.local_blocks * ll.block_stride
-        if kind == _MoveKind.SLICE:
-            pull, remote = pulls[0], peers[0]
-            rl = remote.layout
-            remote_starts = (
-                remote.base
-                + pieces.remote_blocks * rl.block_stride
-                + pieces.remote_slots * rl.token_bytes
-            )
-            dst_starts = local_blocks + pieces.local_slots * ll.token_bytes
-            staged_runs.extend(
-                _merge_staged(
-                    [
-                        _StagedRun(
-                            remote_addr=int(remote_start),
-                            num_blocks=1,
-                            block_len=g * rl.token_bytes,
-                            rows_per_block=g,
-                            src_offset=pull.src_heads.start * rl.head_token_bytes,
-                            src_stride=rl.token_bytes,
-                            dst_addr=int(dst_start),
-                            dst_stride=ll.token_bytes,
-                            row_bytes=ll.token_bytes,
-                        )
-                        for remote_start, dst_start in zip(remote_starts, dst_starts, strict=True)
-                    ],
-                    options.coalesce_runs,
-                )
-            )
-        else:  # token-major or latent, whole heads or a merge of whole prefill head groups
-            unit = rl.token_bytes  # the pull's heads of one token
-            for pull, remote in zip(pulls, peers, strict=True):
-                pull_index = pull.dst_heads.start // pull.num_heads if num_pulls > 1 else 0
-                add(
-                    pull,
-                    local_blocks + (pull_index * pieces.local_filled + pieces.local_slots) * unit,
-                    remote.base
-                    + pieces.remote_blocks * remote.layout.block_stride
-                    + pieces.remote_slots * unit,
-                    np.full(len(pieces), g * unit, dtype=np.int64),
-                )
-            if num_pulls > 1:
-                blocks, first = np.unique(local_blocks, return_index=True)
-                filled = pieces.local_filled[first]
-                for count in np.unique(filled):
-                    fixups.append(
-                        SwapAxes(
-                            blocks[filled == count],
-                            outer=num_pulls,
-                            inner=int(count),
-                            unit=unit,
-                        )
-                    )
-    return _request_plan(pulls, per_peer, staged_runs, fixups, options)
-
-
-def _merge_staged(runs: list[_StagedRun], coalesce: bool) -> list[_StagedRun]:
-    """Join staged pieces that continue each other on both sides into longer runs."""
-    if not coalesce:
-        return runs
-    merged: list[_StagedRun] = []
-    for run in runs:
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and run.block_len == last.block_len
-            and run.remote_addr == last.remote_addr + last.num_blocks * last.block_len
-            and run.dst_addr
-            == last.dst_addr + last.num_blocks * last.rows_per_block * last.dst_stride
-        ):
-            merged[-1] = _StagedRun(
-                remote_addr=last.remote_addr,
-                num_blocks=last.num_blocks + run.num_blocks,
-                block_len=last.block_len,
-                rows_per_block=last.rows_per_block,
-                src_offset=last.src_offset,
-                src_stride=last.src_stride,
-                dst_addr=last.dst_addr,
-                dst_stride=last.dst_stride,
-                row_bytes=last.row_bytes,
-            )
-        else:
-            merged.append(run)
-    return merged
