@@ -367,19 +367,28 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     decode = pd.decode.base_url
     long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
     failed_before = pd.transfer_totals()["failed"]
-    with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS) as pool:
+    # Straight to decode, no hand-off: QUEUED_BATCHES batches of them queue ahead of the leaving
+    # requests, with no prefill hold that could expire meanwhile (a P/D request queued past
+    # release_timeout_s finds its KV released and is recomputed). The leaving requests are seen
+    # queued while at least one of those batches still waits: that margin is whole batches of
+    # long generations, however fast this machine decodes (one batch alone ran out on a fast one).
+    queued_batches = 4
+    with concurrent.futures.ThreadPoolExecutor((1 + queued_batches) * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
             for _ in range(MAX_NUM_SEQS)
         ]
         wait_for_gauge(decode, "vllm:num_requests_running", MAX_NUM_SEQS, "the batch never filled")
-        # Straight to decode, no hand-off: they queue ahead of the leaving requests for as long
-        # as the batch runs, with no prefill hold that could expire meanwhile (a P/D request
-        # queued past release_timeout_s finds its KV released and is recomputed).
         queued = [
-            pool.submit(completion, decode, name, OTHER, **long_body) for _ in range(MAX_NUM_SEQS)
+            pool.submit(completion, decode, name, OTHER, **long_body)
+            for _ in range(queued_batches * MAX_NUM_SEQS)
         ]
-        wait_for_gauge(decode, "vllm:num_requests_waiting", MAX_NUM_SEQS, "nothing queued")
+        wait_for_gauge(
+            decode,
+            "vllm:num_requests_waiting",
+            (queued_batches - 1) * MAX_NUM_SEQS,
+            "nothing queued",
+        )
         leaving = [LeavingClient(proxy_url, name, f"{PROMPT} leaving {i}") for i in range(3)]
         wait_for_gauge(
             decode,
