@@ -338,14 +338,13 @@ def plan_request(
     counts against it, and need it when the prefill block is the larger one.
     """
     options = options or PlanOptions()
-    if block_sizes_differ(local_regions, remote_regions, topology.pulls_for(decode_rank, seed)):
+    pulls = topology.pulls_for(decode_rank, seed)
+    if block_sizes_differ(local_regions, remote_regions, pulls):
         # Imported here: that module builds on this one's descriptor and staging helpers.
         from .plan_tokens import plan_mixed_block_sizes
 
         return plan_mixed_block_sizes(
-            topology,
-            decode_rank,
-            seed,
+            pulls,
             local_regions,
             remote_regions,
             local_block_ids,
@@ -354,30 +353,9 @@ def plan_request(
             num_tokens,
         )
     local_ids, remote_ids = align_block_ids(local_block_ids, remote_block_ids)
-    pulls = topology.pulls_for(decode_rank, seed)
     runs = BlockRuns.of(local_ids, remote_ids, coalesce=True)
     num_pulls = len(pulls)
-
-    for pull in pulls:
-        peer_regions = remote_regions.get(pull.prefill_rank)
-        if peer_regions is None:
-            raise PlanError(f"no region table for prefill rank {pull.prefill_rank}")
-        if len(peer_regions) != len(local_regions):
-            raise PlanError(
-                f"prefill rank {pull.prefill_rank} registered {len(peer_regions)} KV regions, "
-                f"the decode rank {len(local_regions)}: the two instances do not run the same model"
-            )
-    for i, region in enumerate(local_regions):
-        _check_ids(local_ids, region.layout.num_blocks, "decode", f"local region {region.name}")
-        for pull in pulls:
-            remote = remote_regions[pull.prefill_rank][i]
-            check_pairable(region.layout, remote.layout, name=f"region {region.name}")
-            _check_ids(
-                remote_ids,
-                remote.layout.num_blocks,
-                "prefill",
-                f"region {remote.name} of prefill rank {pull.prefill_rank}",
-            )
+    check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
 
     per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
     staged_runs: list[_StagedRun] = []
@@ -413,6 +391,37 @@ def plan_request(
                 )
 
     return _request_plan(pulls, per_peer, staged_runs, fixups, options)
+
+
+def check_region_tables(
+    pulls: Sequence[HeadPull],
+    local_regions: Sequence[Region],
+    remote_regions: Mapping[int, Sequence[Region]],
+    local_ids: np.ndarray,
+    remote_ids: np.ndarray,
+) -> None:
+    """Refuse a request whose region tables or block ids cannot be planned: a prefill rank
+    without a table, tables of different lengths, unpairable regions, ids out of range."""
+    for pull in pulls:
+        peer_regions = remote_regions.get(pull.prefill_rank)
+        if peer_regions is None:
+            raise PlanError(f"no region table for prefill rank {pull.prefill_rank}")
+        if len(peer_regions) != len(local_regions):
+            raise PlanError(
+                f"prefill rank {pull.prefill_rank} registered {len(peer_regions)} KV regions, "
+                f"the decode rank {len(local_regions)}: the two instances do not run the same model"
+            )
+    for i, region in enumerate(local_regions):
+        _check_ids(local_ids, region.layout.num_blocks, "decode", f"local region {region.name}")
+        for pull in pulls:
+            remote = remote_regions[pull.prefill_rank][i]
+            check_pairable(region.layout, remote.layout, name=f"region {region.name}")
+            _check_ids(
+                remote_ids,
+                remote.layout.num_blocks,
+                "prefill",
+                f"region {remote.name} of prefill rank {pull.prefill_rank}",
+            )
 
 
 def _request_plan(

@@ -14,20 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Region, check_pairable
+from .layout import Region
 from .plan import (
     PlanError,
     PlanOptions,
     RequestPlan,
     SwapAxes,
-    _check_ids,
     _move_kind,
     _MoveKind,
     _PeerDescriptors,
     _request_plan,
     _StagedRun,
+    check_region_tables,
 )
-from .topology import HeadPull, TransferTopology
+from .topology import HeadPull
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,7 @@ def _coalesce(
 
 
 def plan_mixed_block_sizes(
-    topology: TransferTopology,
-    decode_rank: int,
-    seed: int,
+    pulls: Sequence[HeadPull],
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
     local_block_ids: Sequence[int],
@@ -153,29 +151,12 @@ def plan_mixed_block_sizes(
     """
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
     remote_ids = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    pulls = topology.pulls_for(decode_rank, seed)
     num_pulls = len(pulls)
-    for pull in pulls:
-        peer_regions = remote_regions.get(pull.prefill_rank)
-        if peer_regions is None:
-            raise PlanError(f"no region table for prefill rank {pull.prefill_rank}")
-        if len(peer_regions) != len(local_regions):
-            raise PlanError(
-                f"prefill rank {pull.prefill_rank} registered {len(peer_regions)} KV regions, "
-                f"the decode rank {len(local_regions)}: the two instances do not run the same model"
-            )
+    check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
     pieces_by_sizes: dict[tuple[int, int], TokenPieces] = {}
     for i, region in enumerate(local_regions):
-        _check_ids(local_ids, region.layout.num_blocks, "decode", f"local region {region.name}")
         for pull in pulls:
             remote = remote_regions[pull.prefill_rank][i]
-            check_pairable(region.layout, remote.layout, name=f"region {region.name}")
-            _check_ids(
-                remote_ids,
-                remote.layout.num_blocks,
-                "prefill",
-                f"region {remote.name} of prefill rank {pull.prefill_rank}",
-            )
             sizes = (region.layout.tokens_per_block, remote.layout.tokens_per_block)
             if sizes not in pieces_by_sizes:
                 pieces_by_sizes[sizes] = align_tokens(
