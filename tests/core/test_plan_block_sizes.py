@@ -31,40 +31,17 @@ from vllm_ascend_mooncake.core.plan import (
 from vllm_ascend_mooncake.core.plan_tokens import align_tokens
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
 from vllm_ascend_mooncake.testing.kv_reference import (
+    LAYOUT_KINDS,
     AddressSpace,
     ReferencePrompt,
     execute_plan,
     owned_heads,
+    region_layouts,
     region_table,
     table_bytes,
 )
 
-LAYOUT_KINDS = ("fused_head_major", "fused_token_major", "split_kv", "latent")
 GiB = 1 << 30
-
-
-def region_layouts(
-    kind: str,
-    num_layers: int,
-    heads: int,
-    tokens: int,
-    head_token_bytes: int,
-    blocks: int,
-    pad: int,
-    flip_single_head: bool = False,
-) -> list[RegionLayout]:
-    order = {
-        "fused_head_major": BlockOrder.HEAD_MAJOR,
-        "fused_token_major": BlockOrder.TOKEN_MAJOR,
-        "split_kv": BlockOrder.TOKEN_MAJOR,
-        "latent": BlockOrder.LATENT,
-    }[kind]
-    if flip_single_head and heads == 1 and order is not BlockOrder.LATENT:
-        order = BlockOrder.HEAD_MAJOR if order is BlockOrder.TOKEN_MAJOR else BlockOrder.TOKEN_MAJOR
-    per_layer = 2 if kind == "split_kv" else 1
-    block_len = heads * tokens * head_token_bytes
-    layout = RegionLayout(order, blocks, block_len + pad, heads, tokens, head_token_bytes)
-    return [layout] * (num_layers * per_layer)
 
 
 def cdiv(a: int, b: int) -> int:

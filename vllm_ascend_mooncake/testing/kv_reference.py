@@ -246,3 +246,33 @@ def region_table(
 
 def table_bytes(layouts: Sequence[RegionLayout], gap: int = 64) -> int:
     return sum(layout.span_bytes + gap for layout in layouts)
+
+
+#: The KV cache layouts the planner tests draw from.
+LAYOUT_KINDS = ("fused_head_major", "fused_token_major", "split_kv", "latent")
+
+
+def region_layouts(
+    kind: str,
+    num_layers: int,
+    heads: int,
+    tokens: int,
+    head_token_bytes: int,
+    blocks: int,
+    pad: int,
+    flip_single_head: bool = False,
+) -> list[RegionLayout]:
+    """The region layouts of one instance for a layout kind of :data:`LAYOUT_KINDS`."""
+    order = {
+        "fused_head_major": BlockOrder.HEAD_MAJOR,
+        "fused_token_major": BlockOrder.TOKEN_MAJOR,
+        "split_kv": BlockOrder.TOKEN_MAJOR,
+        "latent": BlockOrder.LATENT,
+    }[kind]
+    if flip_single_head and heads == 1 and order is not BlockOrder.LATENT:
+        # One head: both orders give the same bytes, and engines may declare either.
+        order = BlockOrder.HEAD_MAJOR if order is BlockOrder.TOKEN_MAJOR else BlockOrder.TOKEN_MAJOR
+    per_layer = 2 if kind == "split_kv" else 1
+    block_len = heads * tokens * head_token_bytes
+    layout = RegionLayout(order, blocks, block_len + pad, heads, tokens, head_token_bytes)
+    return [layout] * (num_layers * per_layer)
