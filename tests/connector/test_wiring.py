@@ -22,6 +22,7 @@ from vllm_ascend_mooncake.connector.wiring import (
     receiver_options,
 )
 from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
+from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
@@ -77,10 +78,13 @@ def test_every_receiver_key_reaches_the_receiver_in_bytes_and_seconds() -> None:
         (4, 1, True, True),  # one head per block: the prefill's block order decides
         (8, 1, False, True),  # heads replicated on decode: still a slice of a TP 1 prefill
         (2, None, False, True),  # layout unknown: allocated whenever a prefill TP could stage
+        # head-major blocks of known packing (vLLM CPU): a prefill of another block size stages
+        (1, 4, "packed", True),
+        (2, 2, "packed", True),
     ],
 )
-def test_staging_buffer_only_when_some_prefill_tp_makes_a_decode_rank_read_a_slice(
-    decode_tp: int, local_heads: int | None, head_major: bool, stages: bool
+def test_staging_buffer_only_when_some_prefill_makes_a_decode_rank_stage(
+    decode_tp: int, local_heads: int | None, head_major: bool | str, stages: bool
 ) -> None:
     # 4 KV heads; the configured prefill TP does not matter: any prefill TP may feed decode.
     cfg = config(2, decode_tp, staging_buffer_mib=3)
@@ -88,7 +92,8 @@ def test_staging_buffer_only_when_some_prefill_tp_makes_a_decode_rank_read_a_sli
     if local_heads is not None:
         order = BlockOrder.HEAD_MAJOR if head_major else BlockOrder.TOKEN_MAJOR
         block_len = local_heads * 32 * 256
-        local = RegionLayout(order, 8, block_len, local_heads, 32, 256)
+        packing = chunk_packing("CPU_ATTN/vec", "auto", 64, 2) if head_major == "packed" else ()
+        local = RegionLayout(order, 8, block_len, local_heads, 32, 256, packing=packing)
     assert decode_settings(cfg, local).staging_bytes == (3 * MIB if stages else 0)
 
 

@@ -7,7 +7,7 @@ slots past the last prefill-held token keep their bytes, and so does everything 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from vllm_ascend_mooncake.core.layout import (
     Region,
     RegionLayout,
     check_pairable,
+    effective_order,
 )
 from vllm_ascend_mooncake.core.plan import (
     PlanError,
@@ -34,6 +35,7 @@ from vllm_ascend_mooncake.testing.kv_reference import (
     LAYOUT_KINDS,
     AddressSpace,
     ReferencePrompt,
+    cpu_like_packing,
     execute_plan,
     owned_heads,
     region_layouts,
@@ -71,6 +73,7 @@ class Case:
     flip_single_head: bool = False
     max_descriptor_bytes: int = 0
     pass_num_tokens: bool = True
+    token_unit: int = 1  # packing unit of packed_head_major chunks
 
     @property
     def is_mla(self) -> bool:
@@ -96,7 +99,7 @@ def _ids(rng: np.random.Generator, count: int, total: int, style: str) -> list[i
 def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
     """Fill prefill memories token by token, plan, execute, compare every decode byte.
 
-    Different block sizes with head-major blocks on either side must be refused instead."""
+    Different block sizes with head-major blocks of unknown packing must be refused instead."""
     topo = TransferTopology(case.heads, case.prefill_tp, case.decode_tp, is_mla=case.is_mla)
     num_heads = 1 if case.is_mla else case.heads
     num_regions = len(region_layouts(case.kind, case.num_layers, 1, 1, 1, 1, 0))
@@ -129,6 +132,7 @@ def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
             remote_total,
             case.prefill_pad,
             case.flip_single_head,
+            case.token_unit,
         )
         base = (p + 1) * GiB
         memory = rng.integers(0, 256, table_bytes(layouts), dtype=np.uint8)
@@ -149,6 +153,7 @@ def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
         local_total,
         case.decode_pad,
         case.flip_single_head,
+        case.token_unit,
     )
     local_base = 100 * GiB
     local_memory = rng.integers(0, 256, table_bytes(local_layouts), dtype=np.uint8)
@@ -160,8 +165,14 @@ def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
     prefill_heads = max(
         len(owned_heads(num_heads, case.prefill_tp, p, case.is_mla)) for p in range(case.prefill_tp)
     )
+    # Prefill ranks read in parallel share the staging buffer.
+    parallel_reads = len({pull.prefill_rank for pull in topo.pulls_for(decode_rank, case.seed)})
     staging_capacity = (
-        case.staging_blocks * prefill_heads * case.prefill_block * case.head_token_bytes
+        case.staging_blocks
+        * parallel_reads
+        * prefill_heads
+        * case.prefill_block
+        * case.head_token_bytes
     )
     local_space.add(staging_base, np.zeros(staging_capacity, dtype=np.uint8))
 
@@ -183,11 +194,13 @@ def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
             num_tokens=case.num_tokens if case.pass_num_tokens else None,
         )
 
-    if case.prefill_block != case.decode_block and BlockOrder.HEAD_MAJOR in {
-        local_layouts[0].block_order,
-        remote_tables[0][0].layout.block_order,
-    }:
-        with pytest.raises(LayoutError, match="with head-major blocks: a head-major"):
+    local_layout, remote_layout = local_layouts[0], remote_tables[0][0].layout
+    if (
+        case.prefill_block != case.decode_block
+        and effective_order(local_layout, remote_layout) is BlockOrder.HEAD_MAJOR
+        and not (local_layout.packing and remote_layout.packing)
+    ):
+        with pytest.raises(LayoutError, match="with head-major blocks whose packing is unknown"):
             plan()
         return None
     plan = plan()
@@ -224,6 +237,8 @@ def cases(draw) -> tuple[Case, int]:
     decode_larger = draw(st.booleans())
     prefill_block, decode_block = (base, base * ratio) if decode_larger else (base * ratio, base)
     num_tokens = draw(st.integers(1, 40))
+    smaller = min(prefill_block, decode_block)
+    token_unit = draw(st.sampled_from([u for u in (1, 2, 3, 4) if smaller % u == 0]))
     decode_blocks = cdiv(num_tokens, decode_block)
     pass_num_tokens = draw(st.booleans()) if decode_block >= prefill_block else True
     case = Case(
@@ -248,6 +263,7 @@ def cases(draw) -> tuple[Case, int]:
         flip_single_head=draw(st.booleans()),
         max_descriptor_bytes=draw(st.sampled_from([0, 0, 7, 64])),
         pass_num_tokens=pass_num_tokens,
+        token_unit=token_unit,
     )
     return case, draw(st.integers(0, decode_tp - 1))
 
@@ -279,29 +295,55 @@ def test_every_layout_tp_pair_and_ratio(kind, tps, blocks, cached_blocks) -> Non
         cached_blocks=cached_blocks,
         num_layers=2,
         staging_blocks=3,
+        token_unit=2 if kind == "packed_head_major" else 1,
     )
     for decode_rank in range(decode_tp):
         run_case(case, decode_rank)
 
 
-def test_head_major_blocks_with_different_block_sizes_are_refused() -> None:
-    """A head-major (block, head) chunk is opaque (vLLM CPU: K rows then V rows, ISA-packed), so
-    it is never split by token: prefill 32 / decode 64 on vLLM CPU is refused at the handshake."""
+def test_head_major_blocks_of_unknown_packing_and_different_sizes_are_refused() -> None:
+    """A head-major chunk is cut by token only when its packing is known and alike on both
+    sides: otherwise (a backend not described in core/packing.py) prefill 32 / decode 64 is
+    refused at the handshake, naming the side."""
     topo = TransferTopology(2, 1, 1)
+    packed = cpu_like_packing(8, token_unit=2)
     prefill = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 32 * 8, 2, 32, 8)
     decode = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 2 * 64 * 8, 2, 64, 8)
-    local = [Region("l0", 1 << 40, decode)]
-    remote = {0: [Region("l0", 2 << 40, prefill)]}
-    with pytest.raises(
-        LayoutError, match="block size 32 on prefill vs 64 on decode with head-major"
-    ):
-        plan_request(topo, 0, 0, local, remote, [5], [3, 6], num_tokens=50)
-    # one single-head side declared head-major is refused too (its chunk is just as opaque)
-    single = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 32 * 8, 1, 32, 8)
+
+    def plan(local: RegionLayout, remote: RegionLayout) -> None:
+        plan_request(
+            topo,
+            0,
+            0,
+            [Region("l0", 1 << 40, local)],
+            {0: [Region("l0", 2 << 40, remote)]},
+            [5],
+            [3, 6],
+            num_tokens=50,
+            options=PlanOptions(staging=StagingArea(3 << 40, 1 << 20)),
+        )
+
+    with pytest.raises(LayoutError, match="32 on prefill vs 64 on decode with head-major blocks"):
+        plan(decode, prefill)
+    with pytest.raises(LayoutError, match="packing is unknown on prefill"):
+        plan(replace(decode, packing=packed), prefill)
+    with pytest.raises(LayoutError, match="packed differently"):
+        plan(replace(decode, packing=packed), replace(prefill, packing=cpu_like_packing(8)))
+    plan(replace(decode, packing=packed), replace(prefill, packing=packed))
+    # A packed single-head chunk is not token rows, so it does not pair with token-major blocks;
+    # a single head of unknown packing does (both sides run one backend, a token-major one).
     token_major = RegionLayout(BlockOrder.TOKEN_MAJOR, 8, 2 * 64 * 8, 2, 64, 8)
-    with pytest.raises(LayoutError, match="head-major"):
-        check_pairable(token_major, single)
-    check_pairable(RegionLayout(BlockOrder.TOKEN_MAJOR, 8, 32 * 8, 1, 32, 8), token_major)
+    single = RegionLayout(BlockOrder.HEAD_MAJOR, 8, 32 * 8, 1, 32, 8)
+    with pytest.raises(LayoutError, match="block order"):
+        check_pairable(token_major, replace(single, packing=packed))
+    check_pairable(token_major, single)
+
+
+def test_packing_must_cover_the_head_and_divide_the_block() -> None:
+    with pytest.raises(LayoutError, match="holds 6 B per head per token, the region 8 B"):
+        RegionLayout(BlockOrder.HEAD_MAJOR, 8, 256, 1, 32, 8, packing=cpu_like_packing(6))
+    with pytest.raises(LayoutError, match="groups tokens by 3, which does not divide"):
+        RegionLayout(BlockOrder.HEAD_MAJOR, 8, 256, 1, 32, 8, packing=cpu_like_packing(8, 3))
 
 
 def test_token_major_merge_swaps_only_filled_rows() -> None:

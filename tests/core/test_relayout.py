@@ -66,6 +66,7 @@ def test_row_copies_match_the_reference(seed: int) -> None:
         row_bytes + int(rng.integers(0, 8)),
         row_bytes + int(rng.integers(0, 4)),
     )
+    planes = int(rng.integers(1, 4))
     copies = RowCopies(
         src_addrs=np.array([staging.data_ptr() + 3]),
         dst_addrs=np.array([blocks.data_ptr() + 5]),
@@ -73,6 +74,9 @@ def test_row_copies_match_the_reference(seed: int) -> None:
         dst_stride=dst_stride,
         rows=rows,
         row_bytes=row_bytes,
+        planes=planes,
+        src_plane_stride=rows * src_stride + int(rng.integers(0, 8)),
+        dst_plane_stride=rows * dst_stride + int(rng.integers(0, 8)),
     )
     apply_row_copies(memory, [copies])
     run_row_copies(reference, copies)

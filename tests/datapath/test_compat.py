@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError, check_peer
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
@@ -21,8 +22,9 @@ def metadata(
     order=BlockOrder.HEAD_MAJOR,
     names=("a", "b"),
     tokens=32,
+    packing=(),
 ) -> WorkerMetadata:
-    layout = RegionLayout(order, 8, heads * tokens * 256, heads, tokens, 256)
+    layout = RegionLayout(order, 8, heads * tokens * 256, heads, tokens, 256, packing=packing)
     return WorkerMetadata(
         engine_id="e",
         incarnation="i",
@@ -130,6 +132,27 @@ def test_token_major_blocks_of_divisible_sizes_pass() -> None:
         tokens=64,
     )
     check_peer(decode, metadata(2, 2, order=BlockOrder.TOKEN_MAJOR), TOPO)
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_head_major_blocks_of_divisible_sizes_pass_when_both_sides_send_their_packing(isa) -> None:
+    """vLLM CPU, prefill 32 / decode 64: the packing travels in each region's wire description
+    and must be the same on both sides; a prefill that does not send it (an older version) is
+    refused naming the unknown packing."""
+    cpu = msgspec.structs.replace(IDENTITY, attention_backend=f"CPU_ATTN/{isa}")
+    packing = chunk_packing(f"CPU_ATTN/{isa}", "auto", 64, 2)  # 256 B per head and token
+    decode = metadata(
+        4,
+        1,
+        identity=msgspec.structs.replace(cpu, block_size=64),
+        tokens=64,
+        packing=packing,
+    )
+    prefill = metadata(2, 2, identity=cpu, packing=packing)
+    assert prefill.to_regions()[0].layout.packing == packing
+    check_peer(decode, prefill, TOPO)
+    with pytest.raises(IncompatiblePeerError, match="packing is unknown on prefill"):
+        check_peer(decode, metadata(2, 2, identity=cpu), TOPO)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ascend_mooncake.core.layout import BlockOrder
+from vllm_ascend_mooncake.core.layout import BlockOrder, ChunkPacking
+from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.plan import StagingArea
 from vllm_ascend_mooncake.core.relayout import LocalMemory
 from vllm_ascend_mooncake.core.topology import TransferTopology
@@ -66,6 +67,7 @@ class Cache:
         seed: int,
         mla_widths=(),
         block_size: int = BLOCK_SIZE,
+        packing: ChunkPacking = (),
     ) -> None:
         if mla_widths:
             caches = {
@@ -98,7 +100,7 @@ class Cache:
             }
             self.tensors = [raw]
             self.regions = regions_from_vllm_views(
-                views, num_kv_heads=heads, block_size=block_size, is_mla=False
+                views, num_kv_heads=heads, block_size=block_size, is_mla=False, packing=packing
             )
         self.arrays = [t.view(-1).view(torch.uint8).numpy() for t in self.tensors]
         rng = np.random.default_rng(seed)
@@ -164,16 +166,16 @@ class Prefill:
     """One prefill rank: a reference-filled cache, its transport and its side channel."""
 
     def __init__(
-        self, topo, rank, port, ref, token_major, mla_widths=(), block_size=BLOCK_SIZE
+        self, topo, rank, port, ref, token_major, mla_widths=(), block_size=BLOCK_SIZE, packing=()
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank, topo.is_mla)
         self.cache = Cache(
-            len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths, block_size
+            len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths, block_size, packing
         )
         for index, region in enumerate(self.cache.regions):
             for block in range(PREFILL_BLOCKS):
                 self.cache.block(index, block)[:] = ref.expected_block(
-                    index, block, self.heads, region.layout.block_order
+                    index, block, self.heads, region.layout.block_order, region.layout.packing
                 )
         self.transport = InProcessTransport()
         self.transport.register(storage_ranges(self.cache.tensors))
@@ -216,10 +218,17 @@ class Decode:
         memory_type=LocalMemory,
         mla_widths=(),
         block_size=BLOCK_SIZE,
+        packing=(),
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank, topo.is_mla)
         self.cache = Cache(
-            len(self.heads), DECODE_BLOCKS, token_major, 100 + rank, mla_widths, block_size
+            len(self.heads),
+            DECODE_BLOCKS,
+            token_major,
+            100 + rank,
+            mla_widths,
+            block_size,
+            packing,
         )
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         self.transport = InProcessTransport()
@@ -291,6 +300,7 @@ class Cluster:
         options=FAST,
         mla_widths=(),
         prefill_block=BLOCK_SIZE,
+        packing=(),
         **kw,
     ):
         self.topo = TransferTopology(heads, prefill_tp, decode_tp, is_mla=bool(mla_widths))
@@ -303,11 +313,20 @@ class Cluster:
             )
         self.port = free_port_range(prefill_tp)
         self.prefill = [
-            Prefill(self.topo, r, self.port + r, self.ref, token_major, mla_widths, prefill_block)
+            Prefill(
+                self.topo,
+                r,
+                self.port + r,
+                self.ref,
+                token_major,
+                mla_widths,
+                prefill_block,
+                packing,
+            )
             for r in range(prefill_tp)
         ]
         self.decode = [
-            Decode(self.topo, r, token_major, options, mla_widths=mla_widths, **kw)
+            Decode(self.topo, r, token_major, options, mla_widths=mla_widths, packing=packing, **kw)
             for r in range(decode_tp)
         ]
 
@@ -713,16 +732,30 @@ def _offsets(cache: Cache) -> list[int]:
     return [region.base - cache.tensors[0].data_ptr() for region in cache.regions]
 
 
+#: vLLM CPU's vec kernel packing for this file's caches (float16, K and V of HEAD_SIZE).
+CPU_VEC_PACKING = chunk_packing("CPU_ATTN/vec", "auto", HEAD_SIZE, 2)
+
+
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
-@pytest.mark.parametrize("tps", [(2, 1), (1, 2), (1, 1)])
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2), (1, 1), (4, 2)])
 @pytest.mark.parametrize("cached_blocks", [0, 1])
-def test_token_major_blocks_of_different_sizes_land_token_by_token(
-    cluster, blocks, tps, cached_blocks
+@pytest.mark.parametrize("cache", ["token_major", "cpu_vec_head_major"])
+def test_blocks_of_different_sizes_land_token_by_token(
+    cluster, blocks, tps, cached_blocks, cache
 ) -> None:
     """Prefill and decode block sizes differ (one divides the other): the real receiver plans with
-    the prompt length and every decode slot holds its token, checked against ReferencePrompt."""
+    the prompt length and every decode slot holds its token, checked against ReferencePrompt.
+    Head-major blocks packed like vLLM CPU's are cut row by row through the staging buffer."""
     prefill_block, decode_block = blocks
-    c = cluster(4, *tps, token_major=True, prefill_block=prefill_block, block_size=decode_block)
+    token_major = cache == "token_major"
+    c = cluster(
+        4,
+        *tps,
+        token_major=token_major,
+        prefill_block=prefill_block,
+        block_size=decode_block,
+        packing=() if token_major else CPU_VEC_PACKING,
+    )
     prompt = ReferencePrompt.random(
         LAYERS, -(-PROMPT_TOKENS // prefill_block) * prefill_block, 4, HEAD_TOKEN_BYTES, seed=3
     )
@@ -750,6 +783,6 @@ def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(
     (decode,) = c.decode
     c.pull("r1", [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7])
     decode.wait(["r1"])
-    assert "with head-major blocks" in str(decode.failed["r1"])
+    assert "with head-major blocks whose packing is unknown" in str(decode.failed["r1"])
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
     # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)

@@ -367,8 +367,10 @@ KEYS: tuple[Key, ...] = (
         "staging_buffer_mib",
         int,
         DEFAULT_STAGING_BUFFER_MIB,
-        "decode staging buffer, allocated only when a decode rank reads a slice of token-major "
-        "prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache).",
+        "decode staging buffer, allocated only when a decode rank can read a slice of "
+        "token-major prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache) or "
+        "prefill blocks of another size from a head-major cache of known packing (vLLM CPU), "
+        "which are cut by token through it. Prefill ranks read in parallel share it.",
         unit="MiB",
         bound=POSITIVE,
     ),

@@ -13,11 +13,14 @@ import time
 import uuid
 from typing import Any
 
+from ..core.layout import ChunkPacking
+from ..core.packing import chunk_packing
 from ..datapath.orders import StepOrders
 from ..datapath.receiver import Receiver
 from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 from ..datapath.sender import PrefillSender
 from ..datapath.transport import Transport, create_transport
+from ..datapath.wire import ModelIdentity
 from ..log import get_logger
 from ..timeline import TimelineLog
 from .config import ConnectorConfig
@@ -35,6 +38,30 @@ from .wiring import (
 
 logger = get_logger(__name__)
 timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
+
+
+def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacking:
+    """The backend's head-major chunk packing (:mod:`..core.packing`), when it accounts for every
+    byte of these views' chunks; otherwise unknown (with a warning: only different block sizes
+    on prefill and decode are then refused, equal ones are unaffected)."""
+    if not views or identity.is_mla:
+        return ()
+    view = next(iter(views.values()))
+    packing = chunk_packing(
+        identity.attention_backend, identity.kv_cache_dtype, identity.head_size, view.element_size()
+    )
+    head_token_bytes = view.shape[-1] * view.element_size()
+    if packing and sum(group.bytes_per_token for group in packing) != head_token_bytes:
+        logger.warning(
+            "attention backend %s: the known chunk packing holds %d B per head and token, the "
+            "KV cache %d B; treating its blocks as unsplittable (prefill and decode need equal "
+            "block sizes)",
+            identity.attention_backend,
+            sum(group.bytes_per_token for group in packing),
+            head_token_bytes,
+        )
+        return ()
+    return packing
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -67,7 +94,14 @@ class ConnectorWorker:
 
         config, vllm_config = self.config, self._vllm_config
         ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
-        memory = self._describe(ordered)
+        identity = model_identity(
+            vllm_config,
+            ordered,
+            block_size=config.block_size,
+            num_kv_heads=config.num_kv_heads,
+            is_mla=config.is_mla,
+        )
+        memory = self._describe(ordered, identity)
         self._check_resolved_layout()
         self.transport = create_transport(
             config.transport,
@@ -84,13 +118,7 @@ class ConnectorWorker:
             tp_size=config.local.tp_size,
             dp_rank=config.dp_rank,
             dp_size=config.local.dp_size,
-            model=model_identity(
-                vllm_config,
-                ordered,
-                block_size=config.block_size,
-                num_kv_heads=config.num_kv_heads,
-                is_mla=config.is_mla,
-            ),
+            model=identity,
         )
         topology = config.topology()
         if config.is_producer:
@@ -115,7 +143,7 @@ class ConnectorWorker:
             topology.describe(),
         )
 
-    def _describe(self, ordered: dict[str, Any]) -> KVCacheMemory:
+    def _describe(self, ordered: dict[str, Any], identity: ModelIdentity) -> KVCacheMemory:
         """vLLM's KV caches (layer order) as registered tensors and described regions."""
         config, vllm_config = self.config, self._vllm_config
         model = vllm_config.model_config
@@ -136,6 +164,7 @@ class ConnectorWorker:
             num_kv_heads=local_heads,
             block_size=config.block_size,
             is_mla=config.is_mla,
+            packing=_chunk_packing(identity, ordered),
         )
         return KVCacheMemory(list(ordered.values()), regions)
 

@@ -10,8 +10,10 @@ not match any layout the planner understands is refused with an error that says 
 Inside a block the planner only needs to know where a head's bytes are:
 
 * ``HEAD_MAJOR`` (vLLM ``LBHNC``): ``[heads][tokens][content]``; a run of heads is one contiguous
-  byte range per block. The content of one (block, head) chunk is opaque (vLLM CPU pre-packs it),
-  so chunks are only ever moved whole.
+  byte range per block. How a (block, head) chunk orders its tokens is the attention backend's
+  choice (vLLM CPU packs K and V per ISA kernel, see :mod:`.packing`): the region's ``packing``
+  says it where it is known, and only then can a chunk be split by token (different block sizes);
+  otherwise chunks are only ever moved whole.
 * ``TOKEN_MAJOR`` (vLLM ``LBNHC``, vllm-ascend NHD tensors): ``[tokens][heads][content]``; a run
   of heads is contiguous only within one token.
 * ``LATENT`` (MLA): no head axis; a block is one unit, replicated on every rank. Regions of one
@@ -36,11 +38,44 @@ class BlockOrder(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RowGroup:
+    """Part of a head-major (block, head) chunk: ``rows`` rows, one after the other, each holding
+    ``token_bytes`` of every token of the block in token order (row length: block size x
+    ``token_bytes``). Tokens are packed in units of ``token_unit`` (AMX tiles), so a token range
+    can only be cut at multiples of it."""
+
+    rows: int
+    token_bytes: int
+    token_unit: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "token_bytes", "token_unit"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"row group {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.rows * self.token_bytes
+
+
+#: How a head-major chunk orders its bytes, group after group; empty: unknown (the chunk is only
+#: moved whole).
+ChunkPacking = tuple[RowGroup, ...]
+
+
+def token_rows(head_token_bytes: int) -> ChunkPacking:
+    """The plain packing: one row per token (``[tokens][content]``), as in CUDA's HND caches."""
+    return (RowGroup(rows=1, token_bytes=head_token_bytes),)
+
+
+@dataclass(frozen=True)
 class RegionLayout:
     """Byte geometry of one KV region: blocks at a fixed stride, each with the given interior.
 
     ``head_token_bytes`` is the content of one head for one token (``C * element_size``; for a
-    latent region the whole per-token latent).
+    latent region the whole per-token latent). ``packing`` is the order of the bytes inside a
+    head-major (block, head) chunk where the backend's is known (empty otherwise; ignored for
+    token-major and latent blocks, whose tokens are rows by definition).
     """
 
     block_order: BlockOrder
@@ -49,11 +84,25 @@ class RegionLayout:
     num_heads: int
     tokens_per_block: int
     head_token_bytes: int
+    packing: ChunkPacking = ()
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_heads", "tokens_per_block", "head_token_bytes"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"region {name} must be >= 1, got {getattr(self, name)}")
+        if self.packing:
+            packed = sum(group.bytes_per_token for group in self.packing)
+            if packed != self.head_token_bytes:
+                raise LayoutError(
+                    f"chunk packing holds {packed} B per head per token, the region "
+                    f"{self.head_token_bytes} B"
+                )
+            for group in self.packing:
+                if self.tokens_per_block % group.token_unit:
+                    raise LayoutError(
+                        f"chunk packing groups tokens by {group.token_unit}, which does not "
+                        f"divide the block size {self.tokens_per_block}"
+                    )
         if self.block_order is BlockOrder.LATENT and self.num_heads != 1:
             raise LayoutError(f"a latent (MLA) region has no head axis, got {self.num_heads} heads")
         if self.block_stride < self.block_len:
@@ -81,6 +130,12 @@ class RegionLayout:
     def dense(self) -> bool:
         """Consecutive blocks are adjacent in memory, so a run of blocks is one byte range."""
         return self.block_stride == self.block_len
+
+    @property
+    def splits_by_token(self) -> bool:
+        """Whether a block can be cut into token ranges: token rows (token-major, latent) or a
+        head-major chunk whose packing is known."""
+        return self.block_order is not BlockOrder.HEAD_MAJOR or bool(self.packing)
 
     @property
     def span_bytes(self) -> int:
@@ -117,11 +172,14 @@ def describe_vllm_layer_view(
     num_kv_heads: int,
     block_size: int,
     is_mla: bool = False,
+    packing: ChunkPacking = (),
 ) -> RegionLayout:
     """Describe a vLLM 0.32 per-layer KV view ``[num_blocks, H, N, C]`` (K and V fused in C).
 
     ``num_kv_heads`` is the number of heads this rank holds and ``block_size`` the kernel block
-    size; both come from the engine config and are checked against the tensor.
+    size; both come from the engine config and are checked against the tensor. ``packing`` is the
+    attention backend's chunk packing (:func:`.packing.chunk_packing`), kept for head-major
+    blocks only.
     """
     _require(
         len(shape) == 4,
@@ -170,6 +228,7 @@ def describe_vllm_layer_view(
         num_heads=heads,
         tokens_per_block=tokens,
         head_token_bytes=head_token_bytes,
+        packing=packing if order is BlockOrder.HEAD_MAJOR else (),
     )
     return layout
 
@@ -290,8 +349,13 @@ def describe_latent_tensor(
 
 
 def _order_free(layout: RegionLayout) -> bool:
-    """A single-head block has the same bytes in head-major and token-major order."""
-    return layout.num_heads == 1 and layout.block_order is not BlockOrder.LATENT
+    """A single-head block has the same bytes in head-major and token-major order, unless its
+    backend packs the chunk otherwise."""
+    return (
+        layout.num_heads == 1
+        and layout.block_order is not BlockOrder.LATENT
+        and (not layout.packing or layout.packing == token_rows(layout.head_token_bytes))
+    )
 
 
 def effective_order(local: RegionLayout, remote: RegionLayout) -> BlockOrder:
@@ -302,9 +366,9 @@ def effective_order(local: RegionLayout, remote: RegionLayout) -> BlockOrder:
 def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "region") -> None:
     """Refuse a (decode, prefill) region pair whose bytes cannot be combined head by head.
 
-    Block sizes may differ when one divides the other and the blocks have token rows (token-major
-    or MLA latent; the planner maps them token by token); the order, head size and dtype must
-    match."""
+    Block sizes may differ when one divides the other and blocks can be cut by token on both
+    sides (token rows, or head-major chunks packed alike in a known way, whose packing units
+    divide the smaller block); the order, head size and dtype must match."""
     problems = []
     if local.block_order is not remote.block_order and not (
         _order_free(local) or _order_free(remote)
@@ -319,13 +383,8 @@ def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "re
             f"block size {bp} on prefill vs {bd} on decode: neither divides the other, so "
             f"blocks cannot be mapped onto each other token-aligned"
         )
-    elif bp != bd and BlockOrder.HEAD_MAJOR in (local.block_order, remote.block_order):
-        problems.append(
-            f"block size {bp} on prefill vs {bd} on decode with head-major blocks: a head-major "
-            f"(block, head) chunk is opaque (vLLM CPU stores all its K rows, then all its V rows, "
-            f"packed per ISA kernel), so it cannot be split by token; different block sizes need "
-            f"token-major (or MLA latent) blocks on both sides"
-        )
+    elif bp != bd and effective_order(local, remote) is BlockOrder.HEAD_MAJOR:
+        problems.extend(_split_problems(local, remote))
     if local.head_token_bytes != remote.head_token_bytes:
         problems.append(
             f"{remote.head_token_bytes} B per head per token on prefill vs "
@@ -333,3 +392,22 @@ def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "re
         )
     if problems:
         raise LayoutError(f"{name}: " + "; ".join(problems))
+
+
+def _split_problems(local: RegionLayout, remote: RegionLayout) -> list[str]:
+    """Why head-major blocks of different sizes cannot be mapped token by token (none: they can)."""
+    bp, bd = remote.tokens_per_block, local.tokens_per_block
+    if not (local.packing and remote.packing):
+        side = "decode" if not local.packing else "prefill"
+        return [
+            f"block size {bp} on prefill vs {bd} on decode with head-major blocks whose packing "
+            f"is unknown on {side} (only vLLM CPU's vec, vec16 and amx kernels and CUDA "
+            f"FlashAttention are described; see core/packing.py): run both with the same "
+            f"--block-size, or use a token-major cache"
+        ]
+    if local.packing != remote.packing:
+        return [
+            f"head-major chunks packed differently on prefill ({remote.packing}) and decode "
+            f"({local.packing})"
+        ]
+    return []  # each side's packing units divide its block size, so they divide the smaller

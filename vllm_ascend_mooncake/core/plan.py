@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -100,7 +101,8 @@ class SwapAxes:
 
 @dataclass(frozen=True)
 class RowCopies:
-    """Local copies: per (src, dst) pair, ``rows`` rows of ``row_bytes`` at the given strides."""
+    """Local copies: per (src, dst) pair, ``planes`` planes (at the plane strides) of ``rows``
+    rows of ``row_bytes`` (at the row strides): one strided copy per pair."""
 
     src_addrs: np.ndarray
     dst_addrs: np.ndarray
@@ -108,6 +110,14 @@ class RowCopies:
     dst_stride: int
     rows: int
     row_bytes: int
+    planes: int = 1
+    src_plane_stride: int = 0
+    dst_plane_stride: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes copied."""
+        return len(self.src_addrs) * self.planes * self.rows * self.row_bytes
 
 
 @dataclass
@@ -256,23 +266,49 @@ def _move_kind(local: RegionLayout, remote: RegionLayout, pull: HeadPull) -> str
 
 
 def needs_staging(local: RegionLayout, remote: RegionLayout, pull: HeadPull) -> bool:
-    """Whether ``pull`` of this region pair lands through a staging buffer: a slice of the
-    prefill heads from token-major blocks, whose head rows interleave per token (head-major
-    blocks give one contiguous run per head, read in place). The one place this is decided: the
-    planner stages by it, and the receiver asks it whether a request needs a staging area."""
-    return (
-        _move_kind(local, remote, pull) == _MoveKind.SLICE
-        and effective_order(local, remote) is not BlockOrder.HEAD_MAJOR
+    """Whether ``pull`` of this region pair lands through a staging buffer:
+
+    * a slice of the prefill heads from token-major blocks, whose head rows interleave per token
+      (head-major blocks give one contiguous run per head, read in place);
+    * head-major blocks of different sizes, whose chunks are cut by token row by row
+      (:mod:`.plan_tokens`).
+
+    The one place this is decided: the planner stages by it, and the receiver asks it (through
+    :func:`request_needs_staging`) whether a request needs a staging area."""
+    head_major = effective_order(local, remote) is BlockOrder.HEAD_MAJOR
+    if head_major:
+        return local.tokens_per_block != remote.tokens_per_block
+    return _move_kind(local, remote, pull) == _MoveKind.SLICE
+
+
+def request_needs_staging(
+    local_regions: Sequence[Region],
+    remote_regions: Mapping[int, Sequence[Region]],
+    pulls: Sequence[HeadPull],
+) -> bool:
+    """Whether any (region, pull) of a request lands through staging (:func:`needs_staging`)."""
+    return any(
+        needs_staging(local.layout, remote_regions[pull.prefill_rank][i].layout, pull)
+        for pull in pulls
+        for i, local in enumerate(local_regions)
+        if pull.prefill_rank in remote_regions and i < len(remote_regions[pull.prefill_rank])
     )
 
 
 def may_need_staging(topology: TransferTopology, local: RegionLayout | None = None) -> bool:
     """Whether any pull of this decode instance can need staging (:func:`needs_staging`),
-    decided before any peer is known: a decode instance may be fed by prefill instances of any
-    TP size it can pair with, so only when some prefill rank can hold more heads than a decode
-    rank reads (a decode rank holds fewer than all heads), and unless the local blocks are
-    head-major with several heads (which read slices in place). A decode worker allocates its
-    staging buffer by this."""
+    decided before any peer is known. A decode instance may be fed by prefill instances of any
+    TP size and block size it can pair with, so:
+
+    * when its blocks are head-major with a known chunk packing: a prefill instance with another
+      block size cuts them by token through staging;
+    * when some prefill rank can hold more heads than a decode rank reads (a decode rank holds
+      fewer than all heads), unless the local blocks are head-major with several heads (which
+      read slices in place).
+
+    A decode worker allocates its staging buffer by this."""
+    if local is not None and local.block_order is BlockOrder.HEAD_MAJOR and local.packing:
+        return True
     if topology.is_mla or topology.decode_heads_per_rank >= topology.heads:
         return False
     return local is None or local.num_heads == 1 or local.block_order is not BlockOrder.HEAD_MAJOR
@@ -358,7 +394,7 @@ def plan_request(
     check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
 
     per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
-    staged_runs: list[_StagedRun] = []
+    staged: dict[int, list[_Staged]] = {}
     fixups: list[SwapAxes] = []
 
     for i, local in enumerate(local_regions):
@@ -384,13 +420,15 @@ def plan_request(
             pull, remote = pulls[0], peers[0]
             if needs_staging(local.layout, remote.layout, pull):
                 region_runs = runs if all_dense and options.coalesce_runs else runs.split_blocks()
-                staged_runs.extend(_staged_slice_runs(local, remote, region_runs, pull))
+                staged.setdefault(pull.prefill_rank, []).extend(
+                    _staged_slice_runs(local, remote, region_runs, pull)
+                )
             else:
                 _add_head_slice(
                     per_peer[pull.prefill_rank], local, remote, runs.split_blocks(), pull
                 )
 
-    return _request_plan(pulls, per_peer, staged_runs, fixups, options)
+    return _request_plan(pulls, per_peer, staged, fixups, options)
 
 
 def check_region_tables(
@@ -427,10 +465,13 @@ def check_region_tables(
 def _request_plan(
     pulls: Sequence[HeadPull],
     per_peer: Mapping[int, _PeerDescriptors],
-    staged_runs: list[_StagedRun],
+    staged: Mapping[int, Sequence[_Staged]],
     fixups: list[SwapAxes],
     options: PlanOptions,
 ) -> RequestPlan:
+    """The request's plan: per prefill peer its direct descriptors in capped batches, then its
+    staged reads (``staged``, by prefill rank). Peers are read in parallel, so each peer that
+    stages gets its own equal share of the staging area."""
     peer_plans: list[PeerPlan] = []
     for pull in pulls:
         if pull.prefill_rank in (pp.prefill_rank for pp in peer_plans):
@@ -445,9 +486,19 @@ def _request_plan(
                 batches=batches,
             )
         )
-    if staged_runs:  # a slice reads a single prefill rank
-        peer_plans[0].batches.extend(_stage_batches(staged_runs, options))
+    staging_peers = [pp for pp in peer_plans if staged.get(pp.prefill_rank)]
+    for share, peer_plan in enumerate(staging_peers):
+        area = _staging_share(options.staging, share, len(staging_peers))
+        peer_plan.batches.extend(_stage_batches(staged[peer_plan.prefill_rank], options, area))
     return RequestPlan(peers=peer_plans, fixups=_group_swaps(fixups))
+
+
+def _staging_share(staging: StagingArea | None, index: int, count: int) -> StagingArea | None:
+    """Share ``index`` of ``count`` equal parts of the staging area."""
+    if staging is None or count == 1:
+        return staging
+    size = staging.capacity // count
+    return StagingArea(staging.base + index * size, size)
 
 
 def _add_whole_blocks(
@@ -521,6 +572,20 @@ def _add_head_slice(
     )
 
 
+class _Staged(Protocol):
+    """Something read through staging: ``num_blocks`` units of ``block_len`` bytes, contiguous
+    from ``remote_addr``, any number of which can be read at once, and the copies that move the
+    units' needed bytes from where they were staged into the KV blocks."""
+
+    remote_addr: int
+    num_blocks: int
+    block_len: int
+
+    def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
+        """Copies for units ``first..first+count-1``, staged contiguously from ``staged_at``."""
+        ...
+
+
 @dataclass(frozen=True)
 class _StagedRun:
     """A run of whole prefill blocks to read into staging, and where its needed heads go."""
@@ -534,6 +599,21 @@ class _StagedRun:
     dst_addr: int
     dst_stride: int
     row_bytes: int
+
+    def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
+        return [
+            RowCopies(
+                src_addrs=np.array([staged_at + self.src_offset], dtype=np.int64),
+                dst_addrs=np.array(
+                    [self.dst_addr + first * self.rows_per_block * self.dst_stride],
+                    dtype=np.int64,
+                ),
+                src_stride=self.src_stride,
+                dst_stride=self.dst_stride,
+                rows=count * self.rows_per_block,
+                row_bytes=self.row_bytes,
+            )
+        ]
 
 
 def _staged_slice_runs(
@@ -558,17 +638,19 @@ def _staged_slice_runs(
     ]
 
 
-def _stage_batches(runs: list[_StagedRun], options: PlanOptions) -> list[TransferBatch]:
-    """Pack staged reads into batches that fit the staging buffer and the descriptor cap.
+def _stage_batches(
+    runs: Sequence[_Staged], options: PlanOptions, staging: StagingArea | None
+) -> list[TransferBatch]:
+    """Pack staged reads into batches that fit the staging area and the descriptor cap.
 
     A batch's staging bytes are reused by the next batch, so its row copies must run (the
     receiver does) before the next batch is issued.
     """
-    staging = options.staging
     if staging is None:
         raise PlanError(
-            "a token-major KV layout with prefill TP smaller than decode TP reads whole prefill "
-            "blocks through a staging buffer, but none was configured"
+            "this request reads prefill blocks through a staging buffer (a slice of token-major "
+            "blocks, prefill TP < decode TP, or head-major blocks of another block size), but "
+            "none was configured"
         )
     batches: list[TransferBatch] = []
     local: list[int] = []
@@ -595,7 +677,8 @@ def _stage_batches(runs: list[_StagedRun], options: PlanOptions) -> list[Transfe
     for run in runs:
         if run.block_len > staging.capacity:
             raise PlanError(
-                f"staging buffer of {staging.capacity} B cannot hold one prefill block of "
+                f"staging area of {staging.capacity} B (the staging buffer, split between the "
+                f"prefill ranks a request reads in parallel) cannot hold one prefill block of "
                 f"{run.block_len} B; raise kv_connector_extra_config['staging_buffer_mib']"
             )
         done = 0
@@ -609,18 +692,7 @@ def _stage_batches(runs: list[_StagedRun], options: PlanOptions) -> list[Transfe
             local.append(staged_at)
             remote.append(run.remote_addr + done * run.block_len)
             lengths.append(fit * run.block_len)
-            copies.append(
-                RowCopies(
-                    src_addrs=np.array([staged_at + run.src_offset], dtype=np.int64),
-                    dst_addrs=np.array(
-                        [run.dst_addr + done * run.rows_per_block * run.dst_stride], dtype=np.int64
-                    ),
-                    src_stride=run.src_stride,
-                    dst_stride=run.dst_stride,
-                    rows=fit * run.rows_per_block,
-                    row_bytes=run.row_bytes,
-                )
-            )
+            copies.extend(run.copies(staged_at, done, fit))
             used += fit * run.block_len
             done += fit
     flush()

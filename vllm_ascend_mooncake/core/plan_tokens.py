@@ -3,8 +3,9 @@
 :func:`~.plan.plan_request` sends such requests here; equal block sizes never come. Tokens move in
 pieces of ``min(Bp, Bd)`` tokens (:func:`align_tokens`), so a piece never straddles a block on
 either side, and the descriptors, staging and swaps reuse the equal-size planner's machinery.
-Head-major blocks are refused before (:func:`~.layout.check_pairable`): a (block, head) chunk is
-opaque to the connector (vLLM CPU packs K and V rows per ISA), so it cannot be split by token.
+Head-major blocks qualify when their chunk packing is known and alike on both sides
+(:mod:`.packing`, checked by :func:`~.layout.check_pairable`): each pulled prefill block is read
+into staging and cut by token, row group by row group, into the decode blocks.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Region
+from .layout import BlockOrder, Region, RegionLayout, effective_order
 from .plan import (
     PlanError,
     PlanOptions,
     RequestPlan,
+    RowCopies,
     SwapAxes,
     _move_kind,
     _MoveKind,
     _PeerDescriptors,
     _request_plan,
+    _Staged,
     _StagedRun,
     check_region_tables,
 )
@@ -137,8 +140,12 @@ def plan_mixed_block_sizes(
 ) -> RequestPlan:
     """Plan a request whose prefill and decode block sizes differ (one divides the other).
 
-    Everything moves in token pieces (:func:`align_tokens`). Only blocks with token rows qualify
-    (:func:`check_pairable` refuses head-major blocks, whose (block, head) chunks are opaque):
+    Everything moves in token pieces (:func:`align_tokens`):
+
+    * head-major (chunk packing known, :func:`~.layout.check_pairable`): each pull's heads of
+      each needed prefill block (runs of whole blocks when the pull takes every head) are read
+      into staging, then every piece is copied row by row into its decode chunk, head by head
+      and row group by row group; no fix-up after.
 
     * token-major (and MLA latent), whole heads or merge: a piece is contiguous on both sides;
       pull ``j`` lands its pieces at the ``j``-th slice of the filled part of the decode block,
@@ -168,7 +175,7 @@ def plan_mixed_block_sizes(
                 )
 
     per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
-    staged_runs: list[_StagedRun] = []
+    staged: dict[int, list[_Staged]] = {}
     fixups: list[SwapAxes] = []
 
     def add(pull: HeadPull, local: np.ndarray, remote: np.ndarray, length: np.ndarray) -> None:
@@ -183,6 +190,12 @@ def plan_mixed_block_sizes(
         if not len(pieces):
             continue
         g = pieces.tokens
+        if effective_order(ll, rl) is BlockOrder.HEAD_MAJOR:
+            for pull, remote in zip(pulls, peers, strict=True):
+                staged.setdefault(pull.prefill_rank, []).extend(
+                    _staged_head_chunks(local, remote, pull, pieces, options.coalesce_runs)
+                )
+            continue
         kind = _move_kind(ll, rl, pulls[0])
         local_blocks = local.base + pieces.local_blocks * ll.block_stride
         if kind == _MoveKind.SLICE:
@@ -194,7 +207,7 @@ def plan_mixed_block_sizes(
                 + pieces.remote_slots * rl.token_bytes
             )
             dst_starts = local_blocks + pieces.local_slots * ll.token_bytes
-            staged_runs.extend(
+            staged.setdefault(pull.prefill_rank, []).extend(
                 _merge_staged(
                     [
                         _StagedRun(
@@ -237,7 +250,7 @@ def plan_mixed_block_sizes(
                             unit=unit,
                         )
                     )
-    return _request_plan(pulls, per_peer, staged_runs, fixups, options)
+    return _request_plan(pulls, per_peer, staged, fixups, options)
 
 
 def _merge_staged(runs: list[_StagedRun], coalesce: bool) -> list[_StagedRun]:
@@ -268,3 +281,99 @@ def _merge_staged(runs: list[_StagedRun], coalesce: bool) -> list[_StagedRun]:
         else:
             merged.append(run)
     return merged
+
+
+@dataclass(frozen=True)
+class _StagedChunks:
+    """A run of prefill blocks whose pulled heads (``block_len`` bytes each) are read into
+    staging, and the token pieces cut out of them into head-major decode chunks.
+
+    The pieces of the run's block ``j`` are ``piece_starts[j]..piece_starts[j + 1]``;
+    ``dst_chunks[p]`` is where piece ``p``'s decode block holds the pull's first head.
+    """
+
+    remote_addr: int
+    num_blocks: int
+    block_len: int
+    piece_starts: np.ndarray
+    src_slots: np.ndarray
+    dst_chunks: np.ndarray
+    dst_slots: np.ndarray
+    num_heads: int
+    piece_tokens: int
+    prefill_layout: RegionLayout
+    decode_layout: RegionLayout
+
+    def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
+        lo, hi = int(self.piece_starts[first]), int(self.piece_starts[first + count])
+        pieces_per_block = np.diff(self.piece_starts[first : first + count + 1])
+        block_of_piece = np.repeat(np.arange(count, dtype=np.int64), pieces_per_block)
+        src_chunks = staged_at + block_of_piece * self.block_len
+        dst_chunks = self.dst_chunks[lo:hi]
+        bp, bd = self.prefill_layout.tokens_per_block, self.decode_layout.tokens_per_block
+        src_slots, dst_slots = self.src_slots[lo:hi], self.dst_slots[lo:hi]
+        copies = []
+        src_group = dst_group = 0  # where the row group starts inside a chunk, on each side
+        for group in self.decode_layout.packing:
+            w = group.token_bytes
+            copies.append(  # one strided copy per piece: its heads are planes
+                RowCopies(
+                    src_addrs=src_chunks + src_group + src_slots * w,
+                    dst_addrs=dst_chunks + dst_group + dst_slots * w,
+                    src_stride=bp * w,
+                    dst_stride=bd * w,
+                    rows=group.rows,
+                    row_bytes=self.piece_tokens * w,
+                    planes=self.num_heads,
+                    src_plane_stride=self.prefill_layout.head_chunk_bytes,
+                    dst_plane_stride=self.decode_layout.head_chunk_bytes,
+                )
+            )
+            src_group += group.rows * bp * w
+            dst_group += group.rows * bd * w
+        return copies
+
+
+def _staged_head_chunks(
+    local: Region, remote: Region, pull: HeadPull, pieces: TokenPieces, coalesce: bool
+) -> list[_StagedChunks]:
+    """Staged reads of the pull's heads of every prefill block the pieces touch, in token order:
+    runs of consecutive blocks when the pull takes every head of dense blocks (and ``coalesce``),
+    single blocks otherwise."""
+    ll, rl = local.layout, remote.layout
+    n = pull.num_heads
+    # Pieces come in token order, so the pieces of one prefill block are consecutive.
+    first_piece = np.flatnonzero(np.concatenate(([True], np.diff(pieces.remote_blocks) != 0)))
+    blocks = pieces.remote_blocks[first_piece]
+    piece_bounds = np.concatenate((first_piece, [len(pieces)]))
+    if coalesce and n == rl.num_heads and rl.dense:
+        breaks = np.diff(blocks) != 1
+    else:
+        breaks = np.ones(max(len(blocks) - 1, 0), dtype=bool)
+    run_bounds = np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(blocks)]))
+    dst_chunks = (
+        local.base
+        + pieces.local_blocks * ll.block_stride
+        + pull.dst_heads.start * ll.head_chunk_bytes
+    )
+    runs = []
+    for start, end in zip(run_bounds[:-1].tolist(), run_bounds[1:].tolist(), strict=True):
+        lo, hi = int(piece_bounds[start]), int(piece_bounds[end])
+        runs.append(
+            _StagedChunks(
+                remote_addr=remote.base
+                + int(blocks[start]) * rl.block_stride
+                + pull.src_heads.start * rl.head_chunk_bytes,
+                num_blocks=end - start,
+                block_len=n * rl.head_chunk_bytes,
+                piece_starts=piece_bounds[start : end + 1] - lo,
+                src_slots=pieces.remote_slots[lo:hi],
+                dst_chunks=dst_chunks[lo:hi],
+                dst_slots=pieces.local_slots[lo:hi],
+                num_heads=n,
+                piece_tokens=pieces.tokens,
+                prefill_layout=rl,
+                decode_layout=ll,
+            )
+        )
+    return runs

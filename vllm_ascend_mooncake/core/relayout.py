@@ -112,10 +112,21 @@ class LocalMemory:
         buffer, offset = self._locate(addr, length)
         return buffer[offset : offset + length]
 
-    def rows(self, addr: int, rows: int, stride: int, row_bytes: int) -> torch.Tensor:
-        """A ``[rows, row_bytes]`` view with the given row stride."""
-        buffer, offset = self._locate(addr, (rows - 1) * stride + row_bytes)
-        return buffer.as_strided((rows, row_bytes), (stride, 1), buffer.storage_offset() + offset)
+    def rows(
+        self,
+        addr: int,
+        rows: int,
+        stride: int,
+        row_bytes: int,
+        planes: int = 1,
+        plane_stride: int = 0,
+    ) -> torch.Tensor:
+        """A ``[planes, rows, row_bytes]`` view with the given plane and row strides."""
+        extent = (planes - 1) * plane_stride + (rows - 1) * stride + row_bytes
+        buffer, offset = self._locate(addr, extent)
+        return buffer.as_strided(
+            (planes, rows, row_bytes), (plane_stride, stride, 1), buffer.storage_offset() + offset
+        )
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,11 @@ def apply_row_copies(memory: LocalMemory, copies: Sequence[RowCopies]) -> None:
     """Queue row copies out of a staging buffer into KV blocks (source and destination never
     overlap); :meth:`LocalMemory.fence` before the staging bytes are written again or released."""
     for group in copies:
+        rows, row_bytes, planes = group.rows, group.row_bytes, group.planes
         for src, dst in zip(group.src_addrs.tolist(), group.dst_addrs.tolist(), strict=True):
-            source = memory.rows(src, group.rows, group.src_stride, group.row_bytes)
-            memory.rows(dst, group.rows, group.dst_stride, group.row_bytes).copy_(source)
+            source = memory.rows(
+                src, rows, group.src_stride, row_bytes, planes, group.src_plane_stride
+            )
+            memory.rows(
+                dst, rows, group.dst_stride, row_bytes, planes, group.dst_plane_stride
+            ).copy_(source)

@@ -37,8 +37,8 @@ from ..core.plan import (
     RequestPlan,
     StagingArea,
     TransferBatch,
-    needs_staging,
     plan_request,
+    request_needs_staging,
 )
 from ..core.relayout import LocalMemory, apply_row_copies, apply_swaps
 from ..core.topology import TransferTopology, request_seed
@@ -345,17 +345,14 @@ class Receiver:
                 remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
         timeline.granted = time.monotonic()
         staging = None
-        if (
-            pull.local_block_ids
-            and self._local_regions
-            and needs_staging(
-                self._local_regions[0].layout,
-                remote_tables[pulls[0].prefill_rank][0].layout,
-                pulls[0],
-            )
+        if pull.local_block_ids and request_needs_staging(
+            self._local_regions, remote_tables, pulls
         ):
             if self._staging is None:
-                raise RuntimeError("this worker has no staging buffer for token-major slice pulls")
+                raise RuntimeError(
+                    "this worker has no staging buffer, which this request needs (a slice of "
+                    "token-major blocks, or head-major blocks of another block size)"
+                )
             staging = self._staging.acquire()
         try:
             plan = plan_request(

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..core.layout import (
+    ChunkPacking,
     LayoutError,
     Region,
     describe_latent_tensor,
@@ -41,9 +42,15 @@ if TYPE_CHECKING:
 
 
 def regions_from_vllm_views(
-    kv_caches: Mapping[str, torch.Tensor], *, num_kv_heads: int, block_size: int, is_mla: bool
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    is_mla: bool,
+    packing: ChunkPacking = (),
 ) -> list[Region]:
-    """One region per layer view ``[num_blocks, H, N, C]``, in the order vLLM gave them."""
+    """One region per layer view ``[num_blocks, H, N, C]``, in the order vLLM gave them;
+    ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`)."""
     regions = []
     for name, view in kv_caches.items():
         layout = describe_vllm_layer_view(
@@ -53,6 +60,7 @@ def regions_from_vllm_views(
             num_kv_heads=num_kv_heads,
             block_size=block_size,
             is_mla=is_mla,
+            packing=packing,
         )
         regions.append(Region(name, view.data_ptr(), layout))
     return regions

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import msgspec
 
-from ..core.layout import BlockOrder, LayoutError, Region, RegionLayout
+from ..core.layout import BlockOrder, LayoutError, Region, RegionLayout, RowGroup
 
 PROTOCOL_VERSION = 3  # 3: WorkerMetadata.te_session became transport_session
 #: The largest frame a side-channel socket accepts (ZMQ drops the peer that sends more).
@@ -35,6 +35,7 @@ MAX_REMOTE_BLOCKS = 1 << 20
 MAX_ID_CHARS = MAX_TRANSFER_ID_CHARS  # request, transfer and engine ids, incarnations, sessions
 MAX_TEXT_CHARS = 4096  # reasons, error messages, names
 MAX_REGIONS = 1 << 16
+MAX_PACKING_GROUPS = 64  # row groups of a head-major chunk (vLLM CPU: 2)
 MAX_RANK = 1 << 16
 
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
@@ -64,6 +65,12 @@ class RegionInfo(msgspec.Struct, frozen=True):
     num_heads: Size
     tokens_per_block: Size
     head_token_bytes: Size
+    #: the chunk packing, ``(rows, token_bytes, token_unit)`` per row group; empty: unknown.
+    #: Added without a protocol bump: a peer that does not send it reads as unknown, which only
+    #: rules out different block sizes with head-major blocks.
+    packing: Annotated[
+        list[tuple[Size, Size, Size]], msgspec.Meta(max_length=MAX_PACKING_GROUPS)
+    ] = msgspec.field(default_factory=list)
 
     @classmethod
     def of(cls, region: Region) -> RegionInfo:
@@ -77,6 +84,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
             num_heads=layout.num_heads,
             tokens_per_block=layout.tokens_per_block,
             head_token_bytes=layout.head_token_bytes,
+            packing=[(g.rows, g.token_bytes, g.token_unit) for g in layout.packing],
         )
 
     def to_region(self) -> Region:
@@ -94,6 +102,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
                 num_heads=self.num_heads,
                 tokens_per_block=self.tokens_per_block,
                 head_token_bytes=self.head_token_bytes,
+                packing=tuple(RowGroup(*group) for group in self.packing),
             )
         except LayoutError as exc:
             raise WireError(f"peer region {self.name} is not a valid layout: {exc}") from exc

@@ -66,6 +66,8 @@ class DeploymentSpec:
     prefill_dp: int = 1
     dtype: str = "float32"
     block_size: int = 32
+    #: the prefill instance's block size where it differs from decode's (``block_size``)
+    prefill_block_size: int | None = None
     max_model_len: int = 512
     release_timeout_s: float = 120.0
     # vLLM's kv_load_failure_policy on decode: "fail" (error the request) or "recompute".
@@ -164,7 +166,9 @@ class LocalDeployment:
             command_prefix=host.command_prefix,
             tensor_parallel_size=spec.prefill_tp if producer else spec.decode_tp,
             dtype=spec.dtype,
-            block_size=spec.block_size,
+            block_size=(spec.prefill_block_size or spec.block_size)
+            if producer
+            else spec.block_size,
             max_model_len=spec.max_model_len,
             extra_args=[
                 "--kv-transfer-config",

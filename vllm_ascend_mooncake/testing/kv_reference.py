@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.layout import BlockOrder, Region, RegionLayout
+from ..core.layout import BlockOrder, ChunkPacking, Region, RegionLayout, RowGroup
 from ..core.plan import RequestPlan, RowCopies, SwapAxes, TransferBatch
 
 
@@ -33,10 +33,46 @@ def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> lis
     return [rank // replicas]
 
 
-def block_bytes(content: np.ndarray, order: BlockOrder) -> np.ndarray:
-    """Serialise one block's content ``[heads, tokens, head_token_bytes]`` in a block order."""
+def pack_chunk(chunk: np.ndarray, packing: ChunkPacking) -> np.ndarray:
+    """One head's chunk ``[tokens, head_token_bytes]`` in a backend's packing, written plainly:
+    group after group, row after row, each row taking its bytes of every token. Inside a token
+    unit the bytes are stored transposed, ``[token_bytes][unit]`` (as AMX tiles interleave
+    them), so that a plan cutting a unit apart gets wrong bytes."""
+    tokens = chunk.shape[0]
+    parts, column = [], 0
+    for group in packing:
+        w, unit = group.token_bytes, group.token_unit
+        for row in range(group.rows):
+            cells = chunk[:, column + row * w : column + (row + 1) * w]
+            parts.append(cells.reshape(tokens // unit, unit, w).transpose(0, 2, 1).reshape(-1))
+        column += group.rows * w
+    return np.concatenate(parts)
+
+
+def unpack_chunk(data: np.ndarray, packing: ChunkPacking, tokens: int) -> np.ndarray:
+    """The inverse of :func:`pack_chunk`: ``[tokens, head_token_bytes]``."""
+    width = sum(group.bytes_per_token for group in packing)
+    chunk = np.empty((tokens, width), dtype=data.dtype)
+    start = column = 0
+    for group in packing:
+        w, unit = group.token_bytes, group.token_unit
+        for row in range(group.rows):
+            cells = data[start : start + tokens * w].reshape(tokens // unit, w, unit)
+            chunk[:, column + row * w : column + (row + 1) * w] = cells.transpose(0, 2, 1).reshape(
+                tokens, w
+            )
+            start += tokens * w
+        column += group.rows * w
+    return chunk
+
+
+def block_bytes(content: np.ndarray, order: BlockOrder, packing: ChunkPacking = ()) -> np.ndarray:
+    """Serialise one block's content ``[heads, tokens, head_token_bytes]`` in a block order
+    (head-major chunks in ``packing`` where one is given)."""
     if order is BlockOrder.TOKEN_MAJOR:
         return np.ascontiguousarray(content.transpose(1, 0, 2)).reshape(-1)
+    if order is BlockOrder.HEAD_MAJOR and packing:
+        return np.concatenate([pack_chunk(head, packing) for head in content])
     return np.ascontiguousarray(content).reshape(-1)
 
 
@@ -73,12 +109,19 @@ class ReferenceKV:
         shape = (num_regions, num_blocks, num_heads, tokens_per_block, head_token_bytes)
         return cls(rng.integers(0, 256, size=shape, dtype=np.uint8), widths)
 
-    def expected_block(self, region: int, block: int, heads: Sequence[int], order: BlockOrder):
+    def expected_block(
+        self,
+        region: int,
+        block: int,
+        heads: Sequence[int],
+        order: BlockOrder,
+        packing: ChunkPacking = (),
+    ):
         """The bytes a block holding ``heads`` of reference block ``block`` must contain."""
         content = self.data[region, block][list(heads)]
         if self.widths is not None:
             content = content[..., : self.widths[region]]
-        return block_bytes(content, order)
+        return block_bytes(content, order, packing)
 
     def fill(
         self,
@@ -99,7 +142,7 @@ class ReferenceKV:
             for local_block, ref_block in pairs:
                 start = offset + local_block * layout.block_stride
                 memory[start : start + layout.block_len] = self.expected_block(
-                    region, ref_block, heads, layout.block_order
+                    region, ref_block, heads, layout.block_order, layout.packing
                 )
 
 
@@ -108,6 +151,9 @@ def block_content(serialized: np.ndarray, layout: RegionLayout) -> np.ndarray:
     h, n, c = layout.num_heads, layout.tokens_per_block, layout.head_token_bytes
     if layout.block_order is BlockOrder.TOKEN_MAJOR:
         return serialized.reshape(n, h, c).transpose(1, 0, 2)
+    if layout.block_order is BlockOrder.HEAD_MAJOR and layout.packing:
+        chunks = serialized.reshape(h, n * c)
+        return np.stack([unpack_chunk(chunk, layout.packing, n) for chunk in chunks])
     return serialized.reshape(h, n, c)
 
 
@@ -166,7 +212,7 @@ class ReferencePrompt:
                 content = block_content(span.copy(), layout).copy()
                 tokens = self.data[region, first : first + count][:, list(heads)]
                 content[:, :count] = tokens.transpose(1, 0, 2)
-                span[:] = block_bytes(content, layout.block_order)
+                span[:] = block_bytes(content, layout.block_order, layout.packing)
 
 
 class AddressSpace:
@@ -211,9 +257,15 @@ def execute_batch(local: AddressSpace, remote: AddressSpace, batch: TransferBatc
 
 
 def run_row_copies(memory: AddressSpace, copies: RowCopies) -> None:
+    """Plane by plane, row by row: the plainest reading of :class:`RowCopies`."""
     for src, dst in zip(copies.src_addrs, copies.dst_addrs, strict=True):
-        source = memory.strided(int(src), copies.rows, copies.src_stride, copies.row_bytes).copy()
-        memory.strided(int(dst), copies.rows, copies.dst_stride, copies.row_bytes)[:] = source
+        for plane in range(copies.planes):
+            src_plane = int(src) + plane * copies.src_plane_stride
+            dst_plane = int(dst) + plane * copies.dst_plane_stride
+            source = memory.strided(
+                src_plane, copies.rows, copies.src_stride, copies.row_bytes
+            ).copy()
+            memory.strided(dst_plane, copies.rows, copies.dst_stride, copies.row_bytes)[:] = source
 
 
 def run_swap(memory: AddressSpace, swap: SwapAxes) -> None:
@@ -248,8 +300,20 @@ def table_bytes(layouts: Sequence[RegionLayout], gap: int = 64) -> int:
     return sum(layout.span_bytes + gap for layout in layouts)
 
 
-#: The KV cache layouts the planner tests draw from.
-LAYOUT_KINDS = ("fused_head_major", "fused_token_major", "split_kv", "latent")
+#: The KV cache layouts the planner tests draw from. ``packed_head_major`` is head-major with
+#: chunks packed like vLLM CPU's (:func:`cpu_like_packing`).
+LAYOUT_KINDS = ("fused_head_major", "packed_head_major", "fused_token_major", "split_kv", "latent")
+
+
+def cpu_like_packing(head_token_bytes: int, token_unit: int = 1) -> ChunkPacking:
+    """A chunk packing shaped like vLLM CPU's: one-byte "channel" rows (K, column-major) then
+    one row of the rest (V), both in units of ``token_unit`` tokens."""
+    groups = []
+    if head_token_bytes >= 2:
+        groups.append(RowGroup(rows=head_token_bytes // 2, token_bytes=1, token_unit=token_unit))
+    rest = head_token_bytes - head_token_bytes // 2
+    groups.append(RowGroup(rows=1, token_bytes=rest, token_unit=token_unit))
+    return tuple(groups)
 
 
 def region_layouts(
@@ -261,18 +325,24 @@ def region_layouts(
     blocks: int,
     pad: int,
     flip_single_head: bool = False,
+    token_unit: int = 1,
 ) -> list[RegionLayout]:
-    """The region layouts of one instance for a layout kind of :data:`LAYOUT_KINDS`."""
+    """The region layouts of one instance for a layout kind of :data:`LAYOUT_KINDS`
+    (``token_unit``: the packing unit of ``packed_head_major``)."""
     order = {
         "fused_head_major": BlockOrder.HEAD_MAJOR,
+        "packed_head_major": BlockOrder.HEAD_MAJOR,
         "fused_token_major": BlockOrder.TOKEN_MAJOR,
         "split_kv": BlockOrder.TOKEN_MAJOR,
         "latent": BlockOrder.LATENT,
     }[kind]
-    if flip_single_head and heads == 1 and order is not BlockOrder.LATENT:
+    packing = cpu_like_packing(head_token_bytes, token_unit) if kind == "packed_head_major" else ()
+    if flip_single_head and heads == 1 and order is not BlockOrder.LATENT and not packing:
         # One head: both orders give the same bytes, and engines may declare either.
         order = BlockOrder.HEAD_MAJOR if order is BlockOrder.TOKEN_MAJOR else BlockOrder.TOKEN_MAJOR
     per_layer = 2 if kind == "split_kv" else 1
     block_len = heads * tokens * head_token_bytes
-    layout = RegionLayout(order, blocks, block_len + pad, heads, tokens, head_token_bytes)
+    layout = RegionLayout(
+        order, blocks, block_len + pad, heads, tokens, head_token_bytes, packing=packing
+    )
     return [layout] * (num_layers * per_layer)

@@ -1,0 +1,93 @@
+"""End to end: prefill and decode instances with different block sizes, head-major CPU blocks.
+
+Decode runs TP 1 with 64-token blocks. Two prefill instances stand behind one proxy: TP 2 with
+32-token blocks (decode's blocks are larger: two prefill blocks, one from each of two ranks'
+head groups, fill one decode block) and TP 1 with 128-token blocks (prefill's are larger: one
+prefill block fills two decode blocks). vLLM CPU packs each (block, head) chunk per ISA kernel (K
+column-major, V row-major for the vec kernel float32 uses), so each pulled block is cut by token,
+row by row, through decode's staging buffer. Answers must equal decode's own colocated answers
+token for token (float32), every pull succeed, both prefills compute prompts and free every block.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from pd_checks import RELEASE_BOUND_S, assert_clean_transfers, assert_same, complete, metric
+
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "hello world",
+    " ".join(f"word{i} the quick brown fox" for i in range(20)),
+    "one block of prefill is half a block of decode",
+    " ".join(f"block{i} spans tokens" for i in range(40)),
+    "a long prefill block fills two decode blocks",
+    " ".join(f"rank{i} holds heads" for i in range(12)),
+]
+
+
+def drained(url: str) -> bool:
+    deadline = time.monotonic() + RELEASE_BOUND_S
+    while metric(url, "vllm:kv_cache_usage_perc") > 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def test_decode_64_is_fed_by_prefills_with_32_and_128_token_blocks(tmp_path) -> None:
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype="float32")))
+    spec = DeploymentSpec(
+        model=model,
+        prefill_tp=2,
+        decode_tp=1,
+        block_size=64,
+        prefill_block_size=32,
+        log_dir=str(tmp_path),
+    )
+    with LocalDeployment(spec) as pd:
+        large = pd.make_server(
+            "kv_producer",
+            name="prefill-128",
+            prefill_tp=1,
+            prefill_block_size=128,
+            side_channel_port=free_port_range(1),
+        )
+        try:
+            large.start()
+            large.wait_ready(600)
+            proxy = pd.add_proxy("--prefill", large.base_url)
+            name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+            expected = {p: complete(pd.decode.base_url, name, p) for p in PROMPTS}
+            prefills = (pd.prefill.base_url, large.base_url)
+            before = {url: metric(url, "vllm:prompt_tokens_total") for url in prefills}
+
+            for prompt in PROMPTS:
+                assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
+
+            computed = {
+                url: metric(url, "vllm:prompt_tokens_total") - before[url] for url in prefills
+            }
+            assert all(tokens > 0 for tokens in computed.values()), computed
+            assert_clean_transfers(pd, requests=len(PROMPTS))
+            assert httpx.get(f"{large.base_url}/health", timeout=30).status_code == 200
+            assert drained(large.base_url), "the 128-token prefill still holds KV blocks"
+            text = httpx.get(f"{large.base_url}/metrics", timeout=30).text
+            expired = re.findall(
+                r"^vllm:mooncake_hetero_expired_releases_total\S* (\S+)$", text, re.M
+            )
+            assert sum(float(v) for v in expired) == 0, "the 128-token prefill released by timeout"
+            decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+            assert "Traceback" not in decode_log
+            assert "CPU_ATTN/vec" in decode_log, "decode did not run vLLM CPU's vec kernel"
+        finally:
+            large.stop()
+    print(f"[block sizes] prompt tokens computed per prefill instance: {computed}")
