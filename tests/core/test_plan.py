@@ -164,8 +164,10 @@ def run_scenario(sc: Scenario, decode_rank: int) -> RequestPlan:
         assert np.array_equal(remote_spaces[p].view((p + 1) * GiB, len(space_memory)), space_memory)
     for peer in plan.peers:
         assert all(0 < len(batch) <= sc.cap for batch in peer.batches)
-        if sc.max_descriptor_bytes and not any(b.after_landing for b in peer.batches):
-            assert all(b.lengths.max() <= sc.max_descriptor_bytes for b in peer.batches)
+        if sc.max_descriptor_bytes:  # staged reads are whole prefill blocks, at least one
+            largest_block = max(r.layout.block_len for r in remote_tables[peer.prefill_rank])
+            limit = max(sc.max_descriptor_bytes, largest_block)
+            assert all(b.lengths.max() <= limit for b in peer.batches)
     return plan
 
 

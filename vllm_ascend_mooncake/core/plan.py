@@ -644,7 +644,8 @@ def _stage_batches(
     """Pack staged reads into batches that fit the staging area and the descriptor cap.
 
     A batch's staging bytes are reused by the next batch, so its row copies must run (the
-    receiver does) before the next batch is issued.
+    receiver does) before the next batch is issued. A staged read spans at most
+    ``max_descriptor_bytes`` (whole prefill blocks, at least one), as direct reads do.
     """
     if staging is None:
         raise PlanError(
@@ -684,6 +685,8 @@ def _stage_batches(
         done = 0
         while done < run.num_blocks:
             fit = min(run.num_blocks - done, (staging.capacity - used) // run.block_len)
+            if options.max_descriptor_bytes:
+                fit = min(fit, max(1, options.max_descriptor_bytes // run.block_len))
             if fit == 0 or len(local) == options.max_descriptors_per_batch:
                 flush()
                 used = 0

@@ -228,26 +228,24 @@ def plan_mixed_block_sizes(
             )
         else:  # token-major or latent, whole heads or a merge of whole prefill head groups
             unit = rl.token_bytes  # the pull's heads of one token
+            landing = _Landing.of(pieces, local, options.coalesce_runs and ll.dense)
             for pull, remote in zip(pulls, peers, strict=True):
                 pull_index = pull.dst_heads.start // pull.num_heads if num_pulls > 1 else 0
                 add(
                     pull,
-                    local_blocks + (pull_index * pieces.local_filled + pieces.local_slots) * unit,
+                    landing.starts + (pull_index * landing.rows + landing.row) * unit,
                     remote.base
                     + pieces.remote_blocks * remote.layout.block_stride
                     + pieces.remote_slots * unit,
                     np.full(len(pieces), g * unit, dtype=np.int64),
                 )
             if num_pulls > 1:
-                blocks, first = np.unique(local_blocks, return_index=True)
-                filled = pieces.local_filled[first]
-                for count in np.unique(filled):
+                starts, first = np.unique(landing.starts, return_index=True)
+                rows = landing.rows[first]
+                for count in np.unique(rows):
                     fixups.append(
                         SwapAxes(
-                            blocks[filled == count],
-                            outer=num_pulls,
-                            inner=int(count),
-                            unit=unit,
+                            starts[rows == count], outer=num_pulls, inner=int(count), unit=unit
                         )
                     )
     return _request_plan(pulls, per_peer, staged, fixups, options)
@@ -377,3 +375,41 @@ def _staged_head_chunks(
             )
         )
     return runs
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """Where token-row pieces land on decode, per piece: the start of its group (a decode block,
+    or a run of consecutive decode blocks of a dense cache), the group's filled token rows, and
+    the piece's first row in the group. A merge of ``k`` pulls lands pull ``j``'s pieces at rows
+    ``j * rows + row``, ``[k][rows][n heads]``, which one swap per group makes
+    ``[rows][k][n heads]``: per run, descriptors scale with runs instead of blocks."""
+
+    starts: np.ndarray
+    rows: np.ndarray
+    row: np.ndarray
+
+    @classmethod
+    def of(cls, pieces: TokenPieces, local: Region, runs: bool) -> _Landing:
+        layout = local.layout
+        blocks = pieces.local_blocks
+        new_block = np.concatenate(([True], np.diff(blocks) != 0))
+        block_of_piece = np.cumsum(new_block) - 1
+        first_piece = np.flatnonzero(new_block)
+        block_ids, filled = blocks[first_piece], pieces.local_filled[first_piece]
+        if runs:
+            breaks = np.diff(block_ids) != 1
+        else:
+            breaks = np.ones(max(len(block_ids) - 1, 0), dtype=bool)
+        group_of_block = np.concatenate(([0], np.cumsum(breaks)))
+        group_first = np.flatnonzero(np.concatenate(([True], breaks)))
+        # Only the prompt's last decode block is partly filled, so earlier blocks of a group
+        # are full and a block's first row in its group is its position there times Bd.
+        position = np.arange(len(block_ids)) - group_first[group_of_block]
+        group_rows = np.add.reduceat(filled, group_first) if len(filled) else filled
+        group = group_of_block[block_of_piece]
+        return cls(
+            starts=local.base + block_ids[group_first][group] * layout.block_stride,
+            rows=group_rows[group],
+            row=position[block_of_piece] * layout.tokens_per_block + pieces.local_slots,
+        )
