@@ -91,3 +91,34 @@ def test_decode_64_is_fed_by_prefills_with_32_and_128_token_blocks(tmp_path) -> 
         finally:
             large.stop()
     print(f"[block sizes] prompt tokens computed per prefill instance: {computed}")
+
+
+def test_bfloat16_blocks_of_the_amx_kernel_are_cut_by_token(tmp_path) -> None:
+    """bf16 on a CPU with AMX tiles runs vLLM's amx kernel, whose chunks group K by 16 tokens
+    and V by 2: prefill 32 / decode 64, TP 1 on both. bf16 logprobs are not compared (the two
+    block sizes split the prompt's attention differently); the tokens must be equal (they were
+    when this was written). Without AMX the vec kernel runs, and the test checks that instead."""
+    import torch
+
+    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype="bfloat16")))
+    spec = DeploymentSpec(
+        model=model,
+        prefill_tp=1,
+        decode_tp=1,
+        dtype="bfloat16",
+        block_size=64,
+        prefill_block_size=32,
+        log_dir=str(tmp_path),
+    )
+    with LocalDeployment(spec) as pd:
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        for prompt in PROMPTS[:4]:
+            colocated = complete(pd.decode.base_url, name, prompt)
+            through = complete(pd.proxy_url, name, prompt)
+            assert through["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"], (
+                prompt
+            )
+        assert_clean_transfers(pd, requests=4)
+        decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert f"attention CPU_ATTN/{isa}" in decode_log

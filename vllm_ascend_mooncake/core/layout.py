@@ -132,12 +132,6 @@ class RegionLayout:
         return self.block_stride == self.block_len
 
     @property
-    def splits_by_token(self) -> bool:
-        """Whether a block can be cut into token ranges: token rows (token-major, latent) or a
-        head-major chunk whose packing is known."""
-        return self.block_order is not BlockOrder.HEAD_MAJOR or bool(self.packing)
-
-    @property
     def span_bytes(self) -> int:
         """Bytes from the first block's start to the last block's end (what to register)."""
         return (self.num_blocks - 1) * self.block_stride + self.block_len
