@@ -20,6 +20,7 @@ from vllm_ascend_mooncake.connector.wiring import (
     decode_settings,
     prefill_settings,
     receiver_options,
+    staging_areas,
 )
 from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.packing import chunk_packing
@@ -232,3 +233,15 @@ def test_the_transport_key_names_a_known_transport() -> None:
     assert config().transport == "mooncake"
     with pytest.raises(ConnectorConfigError, match=r"\['transport'\] must be one of mooncake"):
         config(transport="nixl")
+
+
+@pytest.mark.parametrize(("mib", "areas"), [(1, 1), (16, 1), (31, 1), (32, 2), (64, 4), (1024, 4)])
+def test_the_staging_buffer_is_split_into_areas_for_requests_in_flight(mib, areas) -> None:
+    """Up to four areas of at least 16 MiB: a request keeps its area from planning to its
+    report, so the next one can be planned and queued meanwhile; areas never overlap."""
+    split = staging_areas(1 << 40, mib * MIB)
+    assert len(split) == areas
+    assert all(a.capacity >= min(mib, 16) * MIB for a in split)
+    ends = [a.base + a.capacity for a in split]
+    assert all(end <= nxt.base for end, nxt in zip(ends[:-1], split[1:], strict=True))
+    assert ends[-1] <= (1 << 40) + mib * MIB

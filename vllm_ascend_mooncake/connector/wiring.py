@@ -25,6 +25,7 @@ from ..datapath.sender import PrefillSender, SendTracker
 from ..datapath.side_channel import SideChannelClient
 from ..datapath.transport import Transport
 from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from ..defaults import MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
 
 if TYPE_CHECKING:
     import torch
@@ -189,6 +190,14 @@ def build_decode_side(
         peers,
         client,
         settings.receiver,
-        StagingPool([StagingArea(t.data_ptr(), t.numel()) for t in staging]),
+        StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
     )
     return DecodeSide(receiver, client, peers, metadata, staging)
+
+
+def staging_areas(base: int, size: int) -> list[StagingArea]:
+    """A staging buffer as up to :data:`MAX_STAGING_AREAS` equal areas of at least
+    :data:`MIN_STAGING_AREA_MIB` (one area when the buffer is smaller than two)."""
+    count = max(1, min(MAX_STAGING_AREAS, size // (MIN_STAGING_AREA_MIB << 20)))
+    share = size // count
+    return [StagingArea(base + i * share, share) for i in range(count)]
