@@ -36,12 +36,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-# Only constants: config.py does no I/O when imported and imports nothing of the data path.
-from ..defaults import DEFAULT_COALESCE_RUNS, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
 from .layout import (
     BlockOrder,
     LayoutError,
@@ -50,124 +47,39 @@ from .layout import (
     check_pairable,
     effective_order,
 )
+
+# What a plan is made of lives in plan_types; it is part of this module's interface.
+from .plan_types import (
+    PeerPlan,
+    PlanError,
+    PlanOptions,
+    RequestPlan,
+    RowCopies,
+    StagingArea,
+    SwapAxes,
+    TransferBatch,
+)
+from .staging import Staged, StagedRun, stage_batches, staging_share
 from .topology import HeadPull, TransferTopology
 
-
-class PlanError(ValueError):
-    """The request cannot be planned (bad block ids, unpairable regions, missing staging)."""
-
-
-@dataclass(frozen=True)
-class StagingArea:
-    """A registered local buffer that token-major slice pulls land in before being copied."""
-
-    base: int
-    capacity: int
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
-    # Head-major merges read block by block, needing no fix-up, when each prefill block is at
-    # least this many bytes (0: never). Per-block descriptors then cost less than the local
-    # permutation that run-level coalescing needs afterwards.
-    block_reads_from_bytes: int = 0
-    staging: StagingArea | None = None
-    # Split descriptors longer than this (0: never). Mooncake's TCP transport moves ~1 MiB
-    # descriptors faster than much larger ones; RDMA slices large descriptors itself.
-    max_descriptor_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_descriptors_per_batch < 1:
-            raise PlanError(
-                f"max_descriptors_per_batch must be >= 1, got {self.max_descriptors_per_batch}"
-            )
-
-
-@dataclass(frozen=True)
-class SwapAxes:
-    """In place at each address: bytes ``[outer][inner][unit]`` become ``[inner][outer][unit]``."""
-
-    addrs: np.ndarray
-    outer: int
-    inner: int
-    unit: int
-
-    @property
-    def span(self) -> int:
-        return self.outer * self.inner * self.unit
-
-
-@dataclass(frozen=True)
-class RowCopies:
-    """Local copies: per (src, dst) pair, ``planes`` planes (at the plane strides) of ``rows``
-    rows of ``row_bytes`` (at the row strides): one strided copy per pair."""
-
-    src_addrs: np.ndarray
-    dst_addrs: np.ndarray
-    src_stride: int
-    dst_stride: int
-    rows: int
-    row_bytes: int
-    planes: int = 1
-    src_plane_stride: int = 0
-    dst_plane_stride: int = 0
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes copied."""
-        return len(self.src_addrs) * self.planes * self.rows * self.row_bytes
-
-
-@dataclass
-class TransferBatch:
-    """Descriptors for one ``batch_transfer_sync_read`` call, and copies to run once it landed."""
-
-    local_addrs: np.ndarray
-    remote_addrs: np.ndarray
-    lengths: np.ndarray
-    after_landing: list[RowCopies] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def num_bytes(self) -> int:
-        return int(self.lengths.sum())
-
-
-@dataclass
-class PeerPlan:
-    """Everything one decode rank reads from one prefill rank for a request, in batches."""
-
-    prefill_rank: int
-    pulls: tuple[HeadPull, ...]
-    batches: list[TransferBatch]
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(len(b) for b in self.batches)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.num_bytes for b in self.batches)
-
-
-@dataclass
-class RequestPlan:
-    """The reads of one request on one decode rank, and the fix-ups to run after all landed."""
-
-    peers: list[PeerPlan]
-    fixups: list[SwapAxes]
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(p.num_descriptors for p in self.peers)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.num_bytes for p in self.peers)
+__all__ = [
+    "BlockRuns",
+    "PeerPlan",
+    "PlanError",
+    "PlanOptions",
+    "RequestPlan",
+    "RowCopies",
+    "StagingArea",
+    "SwapAxes",
+    "TransferBatch",
+    "align_block_ids",
+    "block_sizes_differ",
+    "check_region_tables",
+    "may_need_staging",
+    "needs_staging",
+    "plan_request",
+    "request_needs_staging",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,7 +306,7 @@ def plan_request(
     check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
 
     per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
-    staged: dict[int, list[_Staged]] = {}
+    staged: dict[int, list[Staged]] = {}
     fixups: list[SwapAxes] = []
 
     for i, local in enumerate(local_regions):
@@ -465,7 +377,7 @@ def check_region_tables(
 def _request_plan(
     pulls: Sequence[HeadPull],
     per_peer: Mapping[int, _PeerDescriptors],
-    staged: Mapping[int, Sequence[_Staged]],
+    staged: Mapping[int, Sequence[Staged]],
     fixups: list[SwapAxes],
     options: PlanOptions,
 ) -> RequestPlan:
@@ -488,17 +400,9 @@ def _request_plan(
         )
     staging_peers = [pp for pp in peer_plans if staged.get(pp.prefill_rank)]
     for share, peer_plan in enumerate(staging_peers):
-        area = _staging_share(options.staging, share, len(staging_peers))
-        peer_plan.batches.extend(_stage_batches(staged[peer_plan.prefill_rank], options, area))
+        area = staging_share(options.staging, share, len(staging_peers))
+        peer_plan.batches.extend(stage_batches(staged[peer_plan.prefill_rank], options, area))
     return RequestPlan(peers=peer_plans, fixups=_group_swaps(fixups))
-
-
-def _staging_share(staging: StagingArea | None, index: int, count: int) -> StagingArea | None:
-    """Share ``index`` of ``count`` equal parts of the staging area."""
-    if staging is None or count == 1:
-        return staging
-    size = staging.capacity // count
-    return StagingArea(staging.base + index * size, size)
 
 
 def _add_whole_blocks(
@@ -572,56 +476,12 @@ def _add_head_slice(
     )
 
 
-class _Staged(Protocol):
-    """Something read through staging: ``num_blocks`` units of ``block_len`` bytes, contiguous
-    from ``remote_addr``, any number of which can be read at once, and the copies that move the
-    units' needed bytes from where they were staged into the KV blocks."""
-
-    remote_addr: int
-    num_blocks: int
-    block_len: int
-
-    def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
-        """Copies for units ``first..first+count-1``, staged contiguously from ``staged_at``."""
-        ...
-
-
-@dataclass(frozen=True)
-class _StagedRun:
-    """A run of whole prefill blocks to read into staging, and where its needed heads go."""
-
-    remote_addr: int
-    num_blocks: int
-    block_len: int
-    rows_per_block: int
-    src_offset: int  # of the needed heads within a staged token row
-    src_stride: int
-    dst_addr: int
-    dst_stride: int
-    row_bytes: int
-
-    def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
-        return [
-            RowCopies(
-                src_addrs=np.array([staged_at + self.src_offset], dtype=np.int64),
-                dst_addrs=np.array(
-                    [self.dst_addr + first * self.rows_per_block * self.dst_stride],
-                    dtype=np.int64,
-                ),
-                src_stride=self.src_stride,
-                dst_stride=self.dst_stride,
-                rows=count * self.rows_per_block,
-                row_bytes=self.row_bytes,
-            )
-        ]
-
-
 def _staged_slice_runs(
     local: Region, remote: Region, runs: BlockRuns, pull: HeadPull
-) -> list[_StagedRun]:
+) -> list[StagedRun]:
     remote_layout, local_layout = remote.layout, local.layout
     return [
-        _StagedRun(
+        StagedRun(
             remote_addr=remote.base + int(remote_start) * remote_layout.block_stride,
             num_blocks=int(length),
             block_len=remote_layout.block_len,
@@ -636,70 +496,6 @@ def _staged_slice_runs(
             runs.local_starts, runs.remote_starts, runs.lengths, strict=True
         )
     ]
-
-
-def _stage_batches(
-    runs: Sequence[_Staged], options: PlanOptions, staging: StagingArea | None
-) -> list[TransferBatch]:
-    """Pack staged reads into batches that fit the staging area and the descriptor cap.
-
-    A batch's staging bytes are reused by the next batch, so its row copies must run (the
-    receiver does) before the next batch is issued. A staged read spans at most
-    ``max_descriptor_bytes`` (whole prefill blocks, at least one), as direct reads do.
-    """
-    if staging is None:
-        raise PlanError(
-            "this request reads prefill blocks through a staging buffer (a slice of token-major "
-            "blocks, prefill TP < decode TP, or head-major blocks of another block size), but "
-            "none was configured"
-        )
-    batches: list[TransferBatch] = []
-    local: list[int] = []
-    remote: list[int] = []
-    lengths: list[int] = []
-    copies: list[RowCopies] = []
-
-    def flush() -> None:
-        if local:
-            batches.append(
-                TransferBatch(
-                    np.array(local, dtype=np.int64),
-                    np.array(remote, dtype=np.int64),
-                    np.array(lengths, dtype=np.int64),
-                    list(copies),
-                )
-            )
-        local.clear()
-        remote.clear()
-        lengths.clear()
-        copies.clear()
-
-    used = 0
-    for run in runs:
-        if run.block_len > staging.capacity:
-            raise PlanError(
-                f"staging area of {staging.capacity} B (the staging buffer, split between the "
-                f"prefill ranks a request reads in parallel) cannot hold one prefill block of "
-                f"{run.block_len} B; raise kv_connector_extra_config['staging_buffer_mib']"
-            )
-        done = 0
-        while done < run.num_blocks:
-            fit = min(run.num_blocks - done, (staging.capacity - used) // run.block_len)
-            if options.max_descriptor_bytes:
-                fit = min(fit, max(1, options.max_descriptor_bytes // run.block_len))
-            if fit == 0 or len(local) == options.max_descriptors_per_batch:
-                flush()
-                used = 0
-                continue
-            staged_at = staging.base + used
-            local.append(staged_at)
-            remote.append(run.remote_addr + done * run.block_len)
-            lengths.append(fit * run.block_len)
-            copies.extend(run.copies(staged_at, done, fit))
-            used += fit * run.block_len
-            done += fit
-    flush()
-    return batches
 
 
 def _group_swaps(swaps: list[SwapAxes]) -> list[SwapAxes]:

@@ -17,19 +17,14 @@ import numpy as np
 
 from .layout import BlockOrder, Region, RegionLayout, effective_order
 from .plan import (
-    PlanError,
-    PlanOptions,
-    RequestPlan,
-    RowCopies,
-    SwapAxes,
     _move_kind,
     _MoveKind,
     _PeerDescriptors,
     _request_plan,
-    _Staged,
-    _StagedRun,
     check_region_tables,
 )
+from .plan_types import PlanError, PlanOptions, RequestPlan, RowCopies, SwapAxes
+from .staging import Staged, StagedRun
 from .topology import HeadPull
 
 
@@ -175,7 +170,7 @@ def plan_mixed_block_sizes(
                 )
 
     per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
-    staged: dict[int, list[_Staged]] = {}
+    staged: dict[int, list[Staged]] = {}
     fixups: list[SwapAxes] = []
 
     def add(pull: HeadPull, local: np.ndarray, remote: np.ndarray, length: np.ndarray) -> None:
@@ -210,7 +205,7 @@ def plan_mixed_block_sizes(
             staged.setdefault(pull.prefill_rank, []).extend(
                 _merge_staged(
                     [
-                        _StagedRun(
+                        StagedRun(
                             remote_addr=int(remote_start),
                             num_blocks=1,
                             block_len=g * rl.token_bytes,
@@ -251,11 +246,11 @@ def plan_mixed_block_sizes(
     return _request_plan(pulls, per_peer, staged, fixups, options)
 
 
-def _merge_staged(runs: list[_StagedRun], coalesce: bool) -> list[_StagedRun]:
+def _merge_staged(runs: list[StagedRun], coalesce: bool) -> list[StagedRun]:
     """Join staged pieces that continue each other on both sides into longer runs."""
     if not coalesce:
         return runs
-    merged: list[_StagedRun] = []
+    merged: list[StagedRun] = []
     for run in runs:
         last = merged[-1] if merged else None
         if (
@@ -265,7 +260,7 @@ def _merge_staged(runs: list[_StagedRun], coalesce: bool) -> list[_StagedRun]:
             and run.dst_addr
             == last.dst_addr + last.num_blocks * last.rows_per_block * last.dst_stride
         ):
-            merged[-1] = _StagedRun(
+            merged[-1] = StagedRun(
                 remote_addr=last.remote_addr,
                 num_blocks=last.num_blocks + run.num_blocks,
                 block_len=last.block_len,

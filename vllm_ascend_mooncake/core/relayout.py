@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .plan import RowCopies, SwapAxes
+from .plan_types import RowCopies, SwapAxes
 
 if TYPE_CHECKING:
     import torch

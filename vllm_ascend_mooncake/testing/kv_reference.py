@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.layout import BlockOrder, ChunkPacking, Region, RegionLayout, RowGroup
-from ..core.plan import RequestPlan, RowCopies, SwapAxes, TransferBatch
+from ..core.plan_types import RequestPlan, RowCopies, SwapAxes, TransferBatch
 
 
 def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> list[int]:

@@ -1,0 +1,129 @@
+"""What a plan is made of (pure): descriptor batches per prefill peer, the copies and swaps to
+run locally, and the options and staging area a plan is made with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Only constants: config.py does no I/O when imported and imports nothing of the data path.
+from ..defaults import DEFAULT_COALESCE_RUNS, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+from .topology import HeadPull
+
+
+class PlanError(ValueError):
+    """The request cannot be planned (bad block ids, unpairable regions, missing staging)."""
+
+
+@dataclass(frozen=True)
+class StagingArea:
+    """A registered local buffer that token-major slice pulls land in before being copied."""
+
+    base: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
+    # Head-major merges read block by block, needing no fix-up, when each prefill block is at
+    # least this many bytes (0: never). Per-block descriptors then cost less than the local
+    # permutation that run-level coalescing needs afterwards.
+    block_reads_from_bytes: int = 0
+    staging: StagingArea | None = None
+    # Split descriptors longer than this (0: never). Mooncake's TCP transport moves ~1 MiB
+    # descriptors faster than much larger ones; RDMA slices large descriptors itself.
+    max_descriptor_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_descriptors_per_batch < 1:
+            raise PlanError(
+                f"max_descriptors_per_batch must be >= 1, got {self.max_descriptors_per_batch}"
+            )
+
+
+@dataclass(frozen=True)
+class SwapAxes:
+    """In place at each address: bytes ``[outer][inner][unit]`` become ``[inner][outer][unit]``."""
+
+    addrs: np.ndarray
+    outer: int
+    inner: int
+    unit: int
+
+    @property
+    def span(self) -> int:
+        return self.outer * self.inner * self.unit
+
+
+@dataclass(frozen=True)
+class RowCopies:
+    """Local copies: per (src, dst) pair, ``planes`` planes (at the plane strides) of ``rows``
+    rows of ``row_bytes`` (at the row strides): one strided copy per pair."""
+
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    src_stride: int
+    dst_stride: int
+    rows: int
+    row_bytes: int
+    planes: int = 1
+    src_plane_stride: int = 0
+    dst_plane_stride: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes copied."""
+        return len(self.src_addrs) * self.planes * self.rows * self.row_bytes
+
+
+@dataclass
+class TransferBatch:
+    """Descriptors for one ``batch_transfer_sync_read`` call, and copies to run once it landed."""
+
+    local_addrs: np.ndarray
+    remote_addrs: np.ndarray
+    lengths: np.ndarray
+    after_landing: list[RowCopies] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass
+class PeerPlan:
+    """Everything one decode rank reads from one prefill rank for a request, in batches."""
+
+    prefill_rank: int
+    pulls: tuple[HeadPull, ...]
+    batches: list[TransferBatch]
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.batches)
+
+
+@dataclass
+class RequestPlan:
+    """The reads of one request on one decode rank, and the fix-ups to run after all landed."""
+
+    peers: list[PeerPlan]
+    fixups: list[SwapAxes]
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(p.num_descriptors for p in self.peers)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.peers)
