@@ -10,6 +10,8 @@ import argparse
 import json
 import os
 import platform
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +70,24 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "vllm": getattr(vllm, "__version__", "unknown"),
     }
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    """The shortest of ``repeats`` wall-clock runs of ``fn``, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def place_regions(layouts: Sequence[Any], base: int) -> list[Any]:
+    """``Region``s for these layouts laid one after another from ``base`` (no gaps)."""
+    from vllm_ascend_mooncake.core.layout import Region
+
+    regions, offset = [], 0
+    for i, layout in enumerate(layouts):
+        regions.append(Region(f"r{i}", base + offset, layout))
+        offset += layout.span_bytes
+    return regions

@@ -15,7 +15,6 @@ of the same bytes measured in the same run.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -25,10 +24,12 @@ from benchmarks.common import (
     add_json_arg,
     add_repeats_arg,
     add_request_shape_args,
+    best_of,
     make_parser,
+    place_regions,
     write_json,
 )
-from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.plan import PlanOptions, RequestPlan, StagingArea, plan_request
 from vllm_ascend_mooncake.core.relayout import LocalMemory, apply_row_copies, apply_swaps
@@ -73,14 +74,6 @@ def layouts_for(kind: str, layers: int, heads: int, block: int, head_dim: int, b
     return [layout] * layers
 
 
-def place(layouts, base: int) -> list[Region]:
-    regions, offset = [], 0
-    for i, layout in enumerate(layouts):
-        regions.append(Region(f"r{i}", base + offset, layout))
-        offset += layout.span_bytes
-    return regions
-
-
 def block_ids(count: int, pool: int, table: str, rng: np.random.Generator) -> list[int]:
     if table == "contiguous":
         return list(range(count))
@@ -92,15 +85,6 @@ def block_ids(count: int, pool: int, table: str, rng: np.random.Generator) -> li
 def local_work_bytes(plan: RequestPlan) -> int:
     copies = sum(c.num_bytes for p in plan.peers for b in p.batches for c in b.after_landing)
     return copies + sum(len(s.addrs) * s.span for s in plan.fixups)
-
-
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> int:
@@ -135,14 +119,14 @@ def measure(args, kind, bp, prefill_tp, decode_tp, table, staging, rng) -> Row:
         remote_layouts = layouts_for(
             kind, args.layers, topo.prefill_heads_per_rank, prefill_block, args.head_dim, pool
         )
-        return {p: place(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
+        return {p: place_regions(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
 
     local_layouts = layouts_for(
         kind, args.layers, topo.decode_heads_per_rank, bd, args.head_dim, local_pool
     )
     local_bytes = sum(layout.span_bytes for layout in local_layouts)
     memory_tensor = torch.empty(local_bytes, dtype=torch.uint8)
-    local = place(local_layouts, memory_tensor.data_ptr())
+    local = place_regions(local_layouts, memory_tensor.data_ptr())
     remote = tables(bp)
     remote_ids = block_ids(prefill_blocks, 2 * prefill_blocks, table, rng)
     local_ids = block_ids(decode_blocks, local_pool, table, rng)
@@ -153,7 +137,7 @@ def measure(args, kind, bp, prefill_tp, decode_tp, table, staging, rng) -> Row:
             topo, 0, 0, local, remote, local_ids, remote_ids, options, num_tokens=args.tokens
         )
 
-    plan_s = timed(plan, args.repeats)
+    plan_s = best_of(plan, args.repeats)
     mixed = plan()
     equal_remote_ids = block_ids(decode_blocks, 2 * decode_blocks, table, rng)
     equal = plan_request(
@@ -182,10 +166,10 @@ def measure(args, kind, bp, prefill_tp, decode_tp, table, staging, rng) -> Row:
                     apply_row_copies(memory, batch.after_landing)
             apply_swaps(memory, mixed.fixups)
 
-        work_s = timed(local_work, args.repeats)
+        work_s = best_of(local_work, args.repeats)
         src = torch.empty(work, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        copy_s = timed(lambda: dst.copy_(src), args.repeats)
+        copy_s = best_of(lambda: dst.copy_(src), args.repeats)
         row.local_gbps = work / work_s / 1e9
         row.memcpy_gbps = work / copy_s / 1e9
         row.local_vs_memcpy = copy_s / work_s

@@ -13,7 +13,6 @@ plain copy of the same number of bytes, measured in the same run.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -24,10 +23,12 @@ from benchmarks.common import (
     add_json_arg,
     add_repeats_arg,
     add_request_shape_args,
+    best_of,
     make_parser,
+    place_regions,
     write_json,
 )
-from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.plan import PlanOptions, StagingArea, plan_request
 from vllm_ascend_mooncake.core.relayout import LocalMemory, apply_swaps
 from vllm_ascend_mooncake.core.topology import TransferTopology
@@ -66,14 +67,6 @@ def layouts_for(kind: str, layers: int, heads: int, block: int, head_dim: int, b
     return [layout] * (2 * layers)
 
 
-def place(layouts, base: int) -> list[Region]:
-    regions, offset = [], 0
-    for i, layout in enumerate(layouts):
-        regions.append(Region(f"r{i}", base + offset, layout))
-        offset += layout.span_bytes
-    return regions
-
-
 def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
     if kind == "contiguous":
         return list(range(num_blocks)), list(range(num_blocks))
@@ -83,15 +76,6 @@ def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
     local_runs = [list(range(i, i + 4)) for i in range(0, 2 * num_blocks, 8)][: num_blocks // 4]
     rng.shuffle(local_runs)
     return [b for run in local_runs for b in run], remote
-
-
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> int:
@@ -118,15 +102,15 @@ def main() -> int:
             remote_layouts = layouts_for(
                 kind, args.layers, remote_heads, args.block_size, args.head_dim, pool_blocks
             )
-            remote = {p: place(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
+            remote = {p: place_regions(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
             for table in ("contiguous", "fragmented"):
                 local_ids, remote_ids = block_tables(num_blocks, table, rng)
                 for coalesce in (True, False):
                     options = PlanOptions(
                         coalesce_runs=coalesce, staging=StagingArea(1 << 50, 64 << 20)
                     )
-                    local = place(local_layouts, 1 << 44)
-                    plan_s = timed(
+                    local = place_regions(local_layouts, 1 << 44)
+                    plan_s = best_of(
                         partial(
                             plan_request, topo, 0, 0, local, remote, local_ids, remote_ids, options
                         ),
@@ -170,13 +154,13 @@ def measure_fixup(
     """Run the plan's fix-ups on real memory; compare with a copy of the same bytes."""
     total = sum(layout.span_bytes for layout in local_layouts)
     memory_tensor = torch.randint(0, 256, (total,), dtype=torch.uint8)
-    local = place(local_layouts, memory_tensor.data_ptr())
+    local = place_regions(local_layouts, memory_tensor.data_ptr())
     plan = plan_request(topo, 0, 0, local, remote, local_ids, remote_ids, options)
     memory = LocalMemory([memory_tensor])
-    fix_s = timed(lambda: apply_swaps(memory, plan.fixups), repeats)
+    fix_s = best_of(lambda: apply_swaps(memory, plan.fixups), repeats)
     src = torch.randint(0, 256, (fix_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), repeats)
+    copy_s = best_of(lambda: dst.copy_(src), repeats)
     row.fixup_gbps = fix_bytes / fix_s / 1e9
     row.memcpy_gbps = fix_bytes / copy_s / 1e9
     row.fixup_vs_memcpy = copy_s / fix_s

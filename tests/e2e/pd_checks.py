@@ -109,3 +109,16 @@ def assert_clean_transfers(pd: LocalDeployment, requests: int) -> None:
     assert totals["failed"] == 0, (totals, logs)
     assert totals["expired"] == 0, (totals, logs)
     assert totals["successful"] == requests * pd.spec.decode_tp, (totals, logs)
+
+
+def assert_extra_prefill_clean(url: str, what: str) -> None:
+    """A prefill instance beside the deployment's own (which :func:`assert_clean_transfers`
+    checks): alive, every block freed within the bound, none released by its timeout."""
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200, what
+    deadline = time.monotonic() + RELEASE_BOUND_S
+    while metric(url, "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, f"{what} still holds KV blocks"
+        time.sleep(0.5)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    expired = re.findall(r"^vllm:mooncake_hetero_expired_releases_total\S* (\S+)$", text, re.M)
+    assert sum(float(v) for v in expired) == 0, f"{what} released blocks by timeout"
