@@ -235,3 +235,33 @@ def test_with_a_shared_secret_only_peers_that_know_it_are_served() -> None:
             client.close()
         server.close()
         plain_server.close()
+
+
+def test_region_packing_travels_and_peers_of_either_version_understand_each_other() -> None:
+    """The chunk packing was added to RegionInfo without a protocol bump: a peer that does not
+    send it decodes as unknown packing, and a peer that does not know it ignores it."""
+    from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout, RowGroup
+    from vllm_ascend_mooncake.datapath.wire import RegionInfo
+
+    packing = (RowGroup(64, 2), RowGroup(1, 128))
+    layout = RegionLayout(BlockOrder.HEAD_MAJOR, 4, 2 * 32 * 256, 2, 32, 256, packing=packing)
+    info = RegionInfo.of(Region("layer.0", 4096, layout))
+    wire_bytes = msgspec.msgpack.encode(info)
+    assert msgspec.msgpack.decode(wire_bytes, type=RegionInfo).to_region().layout == layout
+
+    class OldRegionInfo(msgspec.Struct, frozen=True):  # RegionInfo before the packing field
+        name: str
+        base: int
+        block_order: str
+        num_blocks: int
+        block_stride: int
+        num_heads: int
+        tokens_per_block: int
+        head_token_bytes: int
+
+    old = msgspec.msgpack.decode(wire_bytes, type=OldRegionInfo)
+    assert old.head_token_bytes == 256
+    from_old = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=RegionInfo)
+    assert from_old.to_region().layout.packing == ()
+    with pytest.raises(WireError, match="not a valid layout"):
+        msgspec.structs.replace(info, packing=[(0, 2, 1)]).to_region()
