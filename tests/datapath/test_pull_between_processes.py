@@ -155,6 +155,7 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
 MIXED_LAYOUTS = [
     # layout, heads, vLLM CPU packing of head-major chunks
     ("vllm_head_major", 4, "vec"),
+    ("vllm_head_major", 4, "amx"),  # bf16 K tiles of 16 tokens, V in pairs of tokens
     ("split_kv", 4, None),
     ("vllm_token_major", 4, None),
     ("mla", 1, None),
@@ -221,10 +222,10 @@ def test_blocks_of_different_sizes_land_token_by_token_between_processes(
     workers, layout, heads, cpu_packing, prefill_tp, decode_tp, prefill_block, decode_block
 ):
     """Prefill blocks of 16 tokens into decode blocks of 32 and the reverse: every token the
-    pull moves lands in its decode slot (head-major chunks in vLLM CPU's vec packing, cut by
-    token through staging), the decode blocks' other slots and the rest of the cache keep their
-    bytes, cached decode prefixes are not read, and each prefill rank reports each request
-    finished exactly once."""
+    pull moves lands in its decode slot (head-major chunks in vLLM CPU's vec and amx packings,
+    cut by token through staging), the decode blocks' other slots and the rest of the cache
+    keep their bytes, cached decode prefixes are not read, and each prefill rank reports each
+    request finished exactly once."""
     name = f"mixed-{layout}-{prefill_tp}-{decode_tp}-{prefill_block}-{decode_block}"
     case = CaseSpec(
         name=name,
