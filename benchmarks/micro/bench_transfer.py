@@ -6,6 +6,10 @@ KV cache as the engines lay it out; a decode rank pulls one request and the time
 read to KV ready (fix-up included) is compared with the transport's ceiling measured in the same
 run: the same bytes, from the same prefill ranks, read as plain 1 MiB descriptors.
 
+``--prefill-block-size N`` gives prefill blocks of ``N`` tokens (one of N and ``--block-size``
+must divide the other): the request then moves token by token, head-major blocks in vLLM CPU's
+vec packing cut through decode's staging buffer, against the same ceiling.
+
     python -m benchmarks.micro.bench_transfer [--json results.json] [--repeats 3]
 """
 
@@ -40,6 +44,8 @@ class Result:
     prefill_tp: int
     decode_tp: int
     table: str
+    prefill_block_size: int
+    decode_block_size: int
     mib_per_decode_rank: float
     descriptors: int
     ours_s: float
@@ -54,13 +60,25 @@ def layout_label(layout: str) -> str:
     return {"vllm_head_major": "head-major (LBHNC)", "split_kv": "token-major K/V"}[layout]
 
 
-def run_case(workers, case: CaseSpec, repeats: int, table: str) -> Result:
-    prefill, decode = workers
-    blocks = case.prefill_blocks - 2
+def block_tables(
+    tokens: int, prefill_block_size: int, decode_block_size: int, table: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The request's prefill and decode block ids: prefill's contiguous, decode's contiguous or
+    fragmented (runs of 4 blocks with gaps of 4)."""
+    remote_blocks = -(-tokens // prefill_block_size)
+    blocks = -(-tokens // decode_block_size)
     local_ids = (
         tuple(range(blocks))
         if table == "contiguous"
         else tuple(b for i in range(0, blocks, 4) for b in range(i * 2, i * 2 + 4))[:blocks]
+    )
+    return local_ids, tuple(range(remote_blocks))
+
+
+def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> Result:
+    prefill, decode = workers
+    local_ids, remote_ids = block_tables(
+        tokens, case.prefill_tokens_per_block, case.block_size, table
     )
     for rank in range(case.prefill_tp):
         prefill[rank].call("setup_prefill", case, rank, timeout_s=600)
@@ -73,7 +91,8 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str) -> Result:
                 request_id=uuid.uuid4().hex,
                 transfer_id=uuid.uuid4().hex,
                 local_block_ids=local_ids,
-                remote_block_ids=tuple(range(blocks)),
+                remote_block_ids=remote_ids,
+                prompt_tokens=tokens if case.mixed_block_sizes else None,
             )
             for rank in range(case.prefill_tp):
                 prefill[rank].call("hold", [request])
@@ -108,6 +127,8 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str) -> Result:
         prefill_tp=case.prefill_tp,
         decode_tp=case.decode_tp,
         table=table,
+        prefill_block_size=case.prefill_tokens_per_block,
+        decode_block_size=case.block_size,
         mib_per_decode_rank=per_rank_bytes / 2**20,
         descriptors=descriptors,
         ours_s=ours_s,
@@ -126,6 +147,12 @@ def main() -> int:
     parser.add_argument("--pairs", default="1-1,2-1,4-1,1-2", help="prefill-decode TP pairs")
     parser.add_argument("--layouts", default="vllm_head_major,split_kv", help="KV cache layouts")
     parser.add_argument("--table", choices=("contiguous", "fragmented"), default="contiguous")
+    parser.add_argument(
+        "--prefill-block-size",
+        type=int,
+        default=None,
+        help="prefill's tokens per block (default: --block-size); one must divide the other",
+    )
     parser.add_argument("--no-coalesce", action="store_true", help="disable run-level coalescing")
     parser.add_argument(
         "--read-wait",
@@ -149,10 +176,17 @@ def main() -> int:
     args = parser.parse_args()
 
     pairs = [tuple(int(x) for x in pair.split("-")) for pair in args.pairs.split(",")]
-    blocks = args.tokens // args.block_size + 2
+    prefill_block = args.prefill_block_size or args.block_size
+    mixed = prefill_block != args.block_size
+    if prefill_block % args.block_size and args.block_size % prefill_block:
+        parser.error(f"block sizes {prefill_block} and {args.block_size}: neither divides")
+    local_ids, remote_ids = block_tables(args.tokens, prefill_block, args.block_size, args.table)
+    spread = 1 if args.table == "contiguous" else 2  # pool sizes as with equal block sizes
+    prefill_pool, decode_pool = spread * (len(remote_ids) + 2), spread * (len(local_ids) + 2)
+    blocks = f"prefill {prefill_block} -> decode {args.block_size}" if mixed else args.block_size
     print(
         f"request: {args.layers} layers, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
-        f"bf16, {args.tokens} tokens, block {args.block_size} ({args.table} block table); "
+        f"bf16, {args.tokens} tokens, block {blocks} ({args.table} block table); "
         f"Mooncake TCP over loopback, reads wait by {args.read_wait}; median of {args.repeats}",
         flush=True,
     )
@@ -173,10 +207,13 @@ def main() -> int:
                     layout=layout,
                     num_layers=args.layers,
                     block_size=args.block_size,
+                    prefill_block_size=prefill_block,
+                    # head-major blocks of different sizes are cut by token: vLLM CPU's packing
+                    cpu_packing="vec" if mixed and layout == "vllm_head_major" else None,
                     head_size=args.head_dim,
                     element_size=2,
-                    prefill_blocks=blocks if args.table == "contiguous" else 2 * blocks,
-                    decode_blocks=blocks if args.table == "contiguous" else 2 * blocks,
+                    prefill_blocks=prefill_pool,
+                    decode_blocks=decode_pool,
                     base_port=free_port_range(prefill_tp),
                     release_timeout_s=600,
                     coalesce_runs=not args.no_coalesce,
@@ -186,7 +223,7 @@ def main() -> int:
                     verify=False,
                     ceiling_bytes=full + (64 << 20),  # staged slices read whole blocks
                 )
-                result = run_case(workers, case, args.repeats, args.table)
+                result = run_case(workers, case, args.repeats, args.table, args.tokens)
                 results.append(result)
                 print(
                     f"{result.layout:20} Tp{prefill_tp}->Td{decode_tp}: "

@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -148,6 +149,104 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
     for rank, report in enumerate(finished):
         assert report["counts"] == {r.transfer_id: 1 for r in requests}, f"prefill rank {rank}"
         assert report["expired"] == 0
+
+
+# Prefill and decode with different block sizes (one divides the other), moved token by token.
+MIXED_LAYOUTS = [
+    # layout, heads, vLLM CPU packing of head-major chunks
+    ("vllm_head_major", 4, "vec"),
+    ("vllm_head_major", 4, "amx"),  # bf16 K tiles of 16 tokens, V in pairs of tokens
+    ("split_kv", 4, None),
+    ("vllm_token_major", 4, None),
+    ("mla", 1, None),
+]
+MIXED_TPS = [(1, 1), (2, 1), (1, 2)]
+MIXED_BLOCKS = [(16, 32), (32, 16)]  # (prefill, decode) tokens per block
+
+
+def make_mixed_requests(case: CaseSpec, rng: random.Random, count: int) -> list[RequestSpec]:
+    """Prompts of random lengths (rarely whole blocks) on contiguous and fragmented tables, and
+    decode prefix hits (decode reads only the prompt's last decode blocks); each request names
+    exactly the prefill blocks its prompt fills, on disjoint decode blocks."""
+    bp, bd = case.prefill_tokens_per_block, case.block_size
+    cursor = 0
+    requests = []
+    for i in range(count):
+        style = i % 3
+        tokens = rng.randint(bd + 1 if style == 2 else 1, 4 * max(bp, bd))
+        prefill_blocks, decode_blocks = case.prompt_blocks(tokens)
+        if style == 0:  # contiguous on both sides
+            start = rng.randint(0, case.prefill_blocks - prefill_blocks)
+            remote = list(range(start, start + prefill_blocks))
+            local = list(range(cursor, cursor + decode_blocks))
+            cursor += decode_blocks
+        elif style == 1:  # fragmented on both sides
+            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
+            local = rng.sample(range(cursor, cursor + 2 * decode_blocks), decode_blocks)
+            cursor += 2 * decode_blocks
+        else:  # decode already caches at least one whole block: it reads only the suffix
+            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
+            hit = rng.randint(1, decode_blocks - 1)
+            local = list(range(cursor, cursor + decode_blocks - hit))
+            cursor += decode_blocks - hit
+        assert cursor <= case.decode_blocks
+        requests.append(
+            RequestSpec(
+                request_id=f"{case.name}-d{i}",
+                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
+                local_block_ids=tuple(local),
+                remote_block_ids=tuple(remote),
+                early=i % 2 == 1,
+                prompt_tokens=tokens,
+            )
+        )
+    return requests
+
+
+def assert_clean_pulls(case, requests, outcomes, finished) -> None:
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.failed == {}, f"decode rank {rank} failed: {outcome.failed}"
+        loads = [r.request_id for r in requests if r.local_block_ids]
+        assert sorted(outcome.done) == sorted(loads)
+        assert outcome.wrong_requests == {}, f"decode rank {rank}: {outcome.wrong_requests}"
+        assert outcome.stray_bytes == 0, f"decode rank {rank} wrote outside the moved tokens"
+    for rank, report in enumerate(finished):
+        assert report["counts"] == {r.transfer_id: 1 for r in requests}, f"prefill rank {rank}"
+        assert report["expired"] == 0
+
+
+@pytest.mark.parametrize("prefill_block,decode_block", MIXED_BLOCKS)
+@pytest.mark.parametrize("prefill_tp,decode_tp", MIXED_TPS)
+@pytest.mark.parametrize("layout,heads,cpu_packing", MIXED_LAYOUTS)
+def test_blocks_of_different_sizes_land_token_by_token_between_processes(
+    workers, layout, heads, cpu_packing, prefill_tp, decode_tp, prefill_block, decode_block
+):
+    """Prefill blocks of 16 tokens into decode blocks of 32 and the reverse: every token the
+    pull moves lands in its decode slot (head-major chunks in vLLM CPU's vec and amx packings,
+    cut by token through staging), the decode blocks' other slots and the rest of the cache
+    keep their bytes, cached decode prefixes are not read, and each prefill rank reports each
+    request finished exactly once."""
+    name = f"mixed-{layout}-{prefill_tp}-{decode_tp}-{prefill_block}-{decode_block}"
+    case = CaseSpec(
+        name=name,
+        heads=heads,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        layout=layout,
+        block_size=decode_block,
+        prefill_block_size=prefill_block,
+        cpu_packing=cpu_packing,
+        base_port=free_port_range(prefill_tp),
+        seed=zlib.crc32(name.encode()) % 1000,
+        staging_bytes=3 * 4 * 32 * 64,  # a few prefill blocks: several staging rounds
+    )
+    requests = make_mixed_requests(case, random.Random(case.seed), 6)
+    assert any(
+        r.local_block_ids and len(r.local_block_ids) < case.prompt_blocks(r.num_prompt_tokens)[1]
+        for r in requests
+    ), "no request with a cached decode prefix"
+    outcomes, finished = run_case(workers, case, requests)
+    assert_clean_pulls(case, requests, outcomes, finished)
 
 
 def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> None:

@@ -6,6 +6,12 @@ vllm-ascend separate K/V tensors, or vllm-ascend's MLA nope and rope tensors), r
 runs the real :class:`PrefillSender` or :class:`Receiver`. Prefill caches are filled from a
 :class:`ReferenceKV`; decode workers check every pulled block against it byte for byte, and that
 no byte outside the requested blocks changed.
+
+When prefill and decode use different block sizes (``CaseSpec.prefill_block_size``), prefill
+caches are filled token by token from a :class:`ReferencePrompt` instead (the "pool": prefill
+block ``b`` holds its tokens ``b * Bp ..``), a request's prompt is the pool's tokens of its
+prefill blocks, in order, and decode expects every token the transfer moves in its slot
+(:meth:`ReferencePrompt.place`) and every other byte of its cache unchanged.
 """
 
 from __future__ import annotations
@@ -18,15 +24,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.layout import ChunkPacking
+from ..core.packing import chunk_packing
 from ..core.topology import TransferTopology
-from .kv_reference import ReferenceKV, owned_heads
+from .kv_reference import ReferenceKV, ReferencePrompt, owned_heads
 
 LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla", "ascend_mla")
+
+#: vLLM CPU's ISA kernels whose head-major chunk packing is described (:mod:`..core.packing`).
+CPU_PACKINGS = ("vec", "vec16", "amx")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
 class CaseSpec:
-    """One geometry: model, TP pair, layout and pool sizes."""
+    """One geometry: model, TP pair, layout and pool sizes.
+
+    ``block_size`` is decode's block size, ``prefill_block_size`` prefill's (None: the same; else
+    one must divide the other, and requests must carry their prompt length). ``cpu_packing``
+    gives ``vllm_head_major`` caches vLLM CPU's chunk packing for that ISA kernel (both sides
+    advertise ``CPU_ATTN/<isa>``); head-major blocks of different sizes need it."""
 
     name: str
     heads: int
@@ -53,6 +73,48 @@ class CaseSpec:
     #: "ascend_mla": the widths (elements) of a layer's MLA tensors, vllm-ascend's
     #: (kv_lora_rank, qk_rope_head_dim); each tensor is ``[blocks, block_size, 1, width]``.
     mla_widths: tuple[int, ...] = (512, 64)
+    #: prefill's tokens per block (None: ``block_size``); ``prefill_blocks`` counts these.
+    prefill_block_size: int | None = None
+    #: "vec", "vec16" or "amx": vLLM CPU's packing of head-major chunks (``vllm_head_major`` only)
+    cpu_packing: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r} (one of {LAYOUTS})")
+        bp, bd = self.prefill_tokens_per_block, self.block_size
+        if min(bp, bd) < 1 or (bp % bd and bd % bp):
+            raise ValueError(f"prefill block size {bp} and decode block size {bd}: neither divides")
+        if self.cpu_packing is not None:
+            if self.cpu_packing not in CPU_PACKINGS:
+                raise ValueError(f"cpu_packing {self.cpu_packing!r} is not one of {CPU_PACKINGS}")
+            if self.layout != "vllm_head_major":
+                raise ValueError("cpu_packing applies to the vllm_head_major layout only")
+            if not self.packing:
+                raise ValueError(
+                    f"vLLM CPU's {self.cpu_packing} packing does not describe head size "
+                    f"{self.head_size} with {self.element_size}-byte elements"
+                )
+
+    @property
+    def prefill_tokens_per_block(self) -> int:
+        return self.block_size if self.prefill_block_size is None else self.prefill_block_size
+
+    @property
+    def mixed_block_sizes(self) -> bool:
+        """Prefill and decode blocks differ in size: filled and checked token by token."""
+        return self.prefill_tokens_per_block != self.block_size
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend label both sides advertise (empty: unknown, as before packings)."""
+        return f"CPU_ATTN/{self.cpu_packing}" if self.cpu_packing else ""
+
+    @property
+    def packing(self) -> ChunkPacking:
+        """The head-major chunk packing the regions carry (empty: none)."""
+        if not self.cpu_packing:
+            return ()
+        return chunk_packing(self.attention_backend, "auto", self.head_size, self.element_size)
 
     @property
     def is_mla(self) -> bool:
@@ -101,6 +163,53 @@ class CaseSpec:
             seed=self.seed,
         )
 
+    def prompt_pool(self) -> ReferencePrompt:
+        """Mixed block sizes: the tokens of every prefill block, block ``b`` holding tokens
+        ``b * Bp .. (b + 1) * Bp - 1`` (as wide as the widest region; a region takes the first
+        ``region_widths[i]`` bytes)."""
+        return ReferencePrompt.random(
+            self.num_layers * self.regions_per_layer,
+            self.prefill_blocks * self.prefill_tokens_per_block,
+            self.ref_heads,
+            max(self.region_widths),
+            seed=self.seed,
+        )
+
+    def prompt_blocks(self, num_tokens: int) -> tuple[int, int]:
+        """(prefill blocks, decode blocks) a ``num_tokens``-token prompt fills."""
+        return (
+            _cdiv(num_tokens, self.prefill_tokens_per_block),
+            _cdiv(num_tokens, self.block_size),
+        )
+
+    def request_prompt(self, pool: ReferencePrompt, spec: RequestSpec) -> ReferencePrompt:
+        """The tokens a pull of ``spec`` moves, from the start of its prompt: the pool's tokens of
+        its prefill blocks, in order, up to the end of the last decode block or of the last
+        prefill block, whichever comes first (a moved piece past the prompt's end moves whole,
+        as whole blocks do with equal sizes)."""
+        bp, bd = self.prefill_tokens_per_block, self.block_size
+        _, decode_blocks = self.prompt_blocks(spec.num_prompt_tokens)
+        end = min(len(spec.remote_block_ids) * bp, decode_blocks * bd)
+        tokens = np.concatenate(
+            [np.arange(b * bp, (b + 1) * bp) for b in spec.remote_block_ids] or [np.arange(0)]
+        )[:end]
+        return ReferencePrompt(pool.data[:, tokens])
+
+    def fits(self, spec: RequestSpec) -> str | None:
+        """Why ``spec``'s block lists do not fit its prompt length (None: they do)."""
+        prefill_blocks, decode_blocks = self.prompt_blocks(spec.num_prompt_tokens)
+        if len(spec.remote_block_ids) != prefill_blocks:
+            return (
+                f"{len(spec.remote_block_ids)} prefill blocks for {spec.num_prompt_tokens} "
+                f"tokens (expected {prefill_blocks})"
+            )
+        if len(spec.local_block_ids) > decode_blocks:
+            return (
+                f"{len(spec.local_block_ids)} decode blocks for {spec.num_prompt_tokens} "
+                f"tokens (at most {decode_blocks})"
+            )
+        return None
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -110,10 +219,16 @@ class RequestSpec:
     remote_block_ids: tuple[int, ...]
     #: decode was admitted before prefill finished: it learns the block ids from the read lease
     early: bool = False
+    #: the prompt length; required with mixed block sizes (``remote_block_ids`` must then be
+    #: its prefill blocks, ``local_block_ids`` its last decode blocks, after any cached prefix)
+    prompt_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
-        """A prompt length both sides agree on (the harness moves whole blocks)."""
+        """The prompt length both sides agree on: ``prompt_tokens``, or a made-up length when
+        not given (equal block sizes move whole blocks and do not use it)."""
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
         return 1000 + len(self.remote_block_ids)
 
 
@@ -153,13 +268,15 @@ class _WorkerState:
 
     # -- cache construction --------------------------------------------------------------
 
-    def _allocate(self, case: CaseSpec, heads: int, num_blocks: int, fill_value: int | None):
+    def _allocate(
+        self, case: CaseSpec, heads: int, num_blocks: int, fill_value: int | None, block_size: int
+    ):
         import torch
 
         from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 
         dtype = {2: torch.float16, 4: torch.float32, 1: torch.int8}[case.element_size]
-        n, c = case.block_size, case.head_token_bytes // case.element_size
+        n, c = block_size, case.head_token_bytes // case.element_size
         if case.layout == "split_kv":
             caches = {
                 f"layer.{i}": tuple(
@@ -202,7 +319,7 @@ class _WorkerState:
             }
             tensors = [raw]
             regions = regions_from_vllm_views(
-                caches, num_kv_heads=h, block_size=n, is_mla=case.is_mla
+                caches, num_kv_heads=h, block_size=n, is_mla=case.is_mla, packing=case.packing
             )
         arrays = []
         rng = np.random.default_rng(case.seed + 1000 + self.rank)
@@ -225,7 +342,32 @@ class _WorkerState:
                 return array, base - start
         raise AssertionError(f"region {index} not in any buffer")
 
-    def _identity(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int):
+    def _region_arrays(self) -> list[tuple[np.ndarray, int, int]]:
+        """Per region: its buffer, its offset in it and the buffer's index."""
+        out = []
+        for index in range(len(self.regions)):
+            array, offset = self._region_array(index)
+            buffer_index = next(i for i, a in enumerate(self.memory_arrays) if a is array)
+            out.append((array, offset, buffer_index))
+        return out
+
+    def _place(
+        self,
+        prompt: ReferencePrompt,
+        memory: np.ndarray,
+        index: int,
+        offset: int,
+        heads: list[int],
+        block_ids,
+        first_block: int = 0,
+    ) -> None:
+        """Write ``prompt``'s tokens of region ``index`` (its own width) into ``memory``."""
+        layout = self.regions[index].layout
+        width = layout.head_token_bytes
+        region_prompt = ReferencePrompt(prompt.data[index : index + 1, :, :, :width])
+        region_prompt.place(memory, [layout], [offset], heads, list(block_ids), first_block)
+
+    def _identity(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int, block_size: int):
         from ..connector.wiring import WorkerIdentity
         from ..datapath.wire import ModelIdentity
 
@@ -240,11 +382,12 @@ class _WorkerState:
                 model="reference",
                 dtype=f"e{case.element_size}",
                 kv_cache_dtype="auto",
-                block_size=case.block_size,
+                block_size=block_size,
                 head_size=case.identity_head_size,
                 num_kv_heads=case.heads,
                 num_layers=case.num_layers,
                 is_mla=case.is_mla,
+                attention_backend=case.attention_backend,
             ),
         )
 
@@ -257,9 +400,13 @@ class _WorkerState:
         topo = case.topology()
         heads = owned_heads(case.ref_heads, case.prefill_tp, rank, case.is_mla)
         self.tensors, self.regions, self.memory_arrays = self._allocate(
-            case, len(heads), case.prefill_blocks, None
+            case, len(heads), case.prefill_blocks, None, case.prefill_tokens_per_block
         )
-        ref = case.reference() if case.verify else None
+        if case.verify and case.mixed_block_sizes:
+            pool = case.prompt_pool()
+            for index, (array, offset, _) in enumerate(self._region_arrays()):
+                self._place(pool, array, index, offset, heads, range(case.prefill_blocks))
+        ref = case.reference() if case.verify and not case.mixed_block_sizes else None
         for index, region in enumerate(self.regions if ref is not None else ()):
             array, offset = self._region_array(index)
             ref.fill(
@@ -271,7 +418,7 @@ class _WorkerState:
                 first_region=index,
             )
         side = build_prefill_side(
-            self._identity(case, "prefill", rank, case.prefill_tp),
+            self._identity(case, "prefill", rank, case.prefill_tp, case.prefill_tokens_per_block),
             topo,
             self.transport,
             KVCacheMemory(self.tensors, self.regions),
@@ -323,7 +470,7 @@ class _WorkerState:
         topo = case.topology()
         heads = owned_heads(case.ref_heads, case.decode_tp, rank, case.is_mla)
         self.tensors, self.regions, self.memory_arrays = self._allocate(
-            case, len(heads), case.decode_blocks, None
+            case, len(heads), case.decode_blocks, None, case.block_size
         )
         self.ceiling_tensor = torch.zeros(max(case.ceiling_bytes, 1), dtype=torch.uint8)
         self.transport.register(storage_ranges([self.ceiling_tensor]))
@@ -331,7 +478,7 @@ class _WorkerState:
         # The production wiring, with sizes in bytes (the keys' KiB and MiB cannot express the
         # few-hundred-byte descriptors and staging buffers some cases use).
         side = build_decode_side(
-            self._identity(case, "decode", rank, case.decode_tp),
+            self._identity(case, "decode", rank, case.decode_tp, case.block_size),
             topo,
             self.transport,
             KVCacheMemory(self.tensors, self.regions),
@@ -399,7 +546,9 @@ class _WorkerState:
             outcome.fixup_seconds = max(outcome.fixup_seconds, stat.fixup_seconds)
         for request_id in pending:
             outcome.failed[request_id] = f"not finished within {timeout_s} s"
-        if case.verify:
+        if case.verify and case.mixed_block_sizes:
+            self._verify_tokens(requests, outcome)
+        elif case.verify:
             self._verify(requests, outcome)
         return outcome
 
@@ -464,7 +613,9 @@ class _WorkerState:
                 layout = region.layout
                 for local, ref_block in zip(spec.local_block_ids, remote, strict=True):
                     start = offset + local * layout.block_stride
-                    want = ref.expected_block(index, ref_block, heads, layout.block_order)
+                    want = ref.expected_block(
+                        index, ref_block, heads, layout.block_order, layout.packing
+                    )
                     got = array[start : start + layout.block_len]
                     if spec.request_id in done and not np.array_equal(got, want):
                         outcome.wrong_requests[spec.request_id] = (
@@ -473,6 +624,59 @@ class _WorkerState:
                         )
                     # Whatever happened, these bytes may change; nothing else may.
                     expected[buffer_index][start : start + layout.block_len] = got
+        for array, want in zip(self.memory_arrays, expected, strict=True):
+            outcome.stray_bytes += int((array != want).sum())
+
+    def _verify_tokens(self, requests: list[RequestSpec], outcome: PullOutcome) -> None:
+        """Mixed block sizes: a loaded request's decode blocks hold every token the pull moves,
+        in its slot, and their other slots keep their bytes; a request that did not load may
+        have changed its decode blocks; no other byte of the cache may change."""
+        case = self.case
+        pool = case.prompt_pool()
+        heads = owned_heads(case.ref_heads, case.decode_tp, self.rank, case.is_mla)
+        expected = [a.copy() for a in self.snapshot]
+        done = set(outcome.done)
+        regions = self._region_arrays()
+
+        def spans(spec: RequestSpec):
+            for index, (array, offset, buffer_index) in enumerate(regions):
+                layout = self.regions[index].layout
+                for local in spec.local_block_ids:
+                    start = offset + local * layout.block_stride
+                    yield index, buffer_index, array, start, start + layout.block_len
+
+        for spec in requests:
+            misfit = case.fits(spec)
+            if spec.request_id in done and misfit is not None:
+                outcome.wrong_requests[spec.request_id] = f"loaded, but {misfit}"
+            if spec.request_id not in done or misfit is not None:
+                # Whatever happened, these bytes may change; nothing else may.
+                for _, buffer_index, array, start, stop in spans(spec):
+                    expected[buffer_index][start:stop] = array[start:stop]
+                continue
+            prompt = case.request_prompt(pool, spec)
+            _, decode_blocks = case.prompt_blocks(spec.num_prompt_tokens)
+            cached = decode_blocks - len(spec.local_block_ids)
+            for index, (_, offset, buffer_index) in enumerate(regions):
+                self._place(
+                    prompt,
+                    expected[buffer_index],
+                    index,
+                    offset,
+                    heads,
+                    spec.local_block_ids,
+                    first_block=cached,
+                )
+            for index, buffer_index, array, start, stop in spans(spec):
+                got, want = array[start:stop], expected[buffer_index][start:stop]
+                if not np.array_equal(got, want):
+                    block = (start - regions[index][1]) // self.regions[index].layout.block_stride
+                    outcome.wrong_requests.setdefault(
+                        spec.request_id,
+                        f"region {self.regions[index].name} block {block}: "
+                        f"{int((got != want).sum())} wrong bytes",
+                    )
+                    want[:] = got  # counted as wrong, not as stray
         for array, want in zip(self.memory_arrays, expected, strict=True):
             outcome.stray_bytes += int((array != want).sum())
 
