@@ -37,7 +37,7 @@ DEFAULT_STAGING_BUFFER_MIB = 64
 #: one per request in flight: a request holds its area from planning to its report, so with
 #: several areas the next request is planned and queued while one still reads.
 MAX_STAGING_AREAS = 4
-MIN_STAGING_AREA_MIB = 16
+MIN_STAGING_AREA_MIB = 32
 #: The longest a prefill may hold a decode's pending claim open (long poll), at most half of
 #: ``side_channel_timeout_s`` (:attr:`ConnectorConfig.claim_park_s`).
 DEFAULT_CLAIM_PARK_S = 1.0

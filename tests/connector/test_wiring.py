@@ -235,13 +235,13 @@ def test_the_transport_key_names_a_known_transport() -> None:
         config(transport="nixl")
 
 
-@pytest.mark.parametrize(("mib", "areas"), [(1, 1), (16, 1), (31, 1), (32, 2), (64, 4), (1024, 4)])
+@pytest.mark.parametrize(("mib", "areas"), [(1, 1), (32, 1), (63, 1), (64, 2), (128, 4), (1024, 4)])
 def test_the_staging_buffer_is_split_into_areas_for_requests_in_flight(mib, areas) -> None:
-    """Up to four areas of at least 16 MiB: a request keeps its area from planning to its
+    """Up to four areas of at least 32 MiB: a request keeps its area from planning to its
     report, so the next one can be planned and queued meanwhile; areas never overlap."""
     split = staging_areas(1 << 40, mib * MIB)
     assert len(split) == areas
-    assert all(a.capacity >= min(mib, 16) * MIB for a in split)
+    assert all(a.capacity >= min(mib, 32) * MIB for a in split)
     ends = [a.base + a.capacity for a in split]
     assert all(end <= nxt.base for end, nxt in zip(ends[:-1], split[1:], strict=True))
     assert ends[-1] <= (1 << 40) + mib * MIB

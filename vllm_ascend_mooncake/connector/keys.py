@@ -370,7 +370,7 @@ KEYS: tuple[Key, ...] = (
         "decode staging buffer, allocated only when a decode rank can read a slice of "
         "token-major prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache) or "
         "prefill blocks of another size from a head-major cache of known packing (vLLM CPU), "
-        "which are cut by token through it. It is split into up to 4 areas of at least 16 MiB, "
+        "which are cut by token through it. It is split into up to 4 areas of at least 32 MiB, "
         "one per request in flight; prefill ranks a request reads in parallel share its area.",
         unit="MiB",
         bound=POSITIVE,
