@@ -132,7 +132,7 @@ def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
         decode_tp=decode_tp,
         layout=layout,
         base_port=free_port_range(prefill_tp),
-        seed=hash(name) % 1000,
+        seed=zlib.crc32(name.encode()) % 1000,  # hash() differs per interpreter start
         staging_bytes=3 * 4 * 16 * 64,  # a few prefill blocks: forces several staging rounds
     )
     requests = make_requests(case, random.Random(case.seed), 6)

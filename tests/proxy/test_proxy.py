@@ -696,6 +696,33 @@ def test_a_prefill_that_ignores_the_transfer_id_gets_a_serial_decode_leg(
     assert [report["in_flight"] for report in ready["decode"]] == [0]
 
 
+def test_a_prefill_restarted_under_a_new_engine_id_keeps_the_overlapped_decode_leg(
+    fleet: Fleet, proxy: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same address, same transfer id, only the engine id is new (prefill restarted): decode's
+    early pull follows the restart by itself, so the decode leg is not sent again (a second
+    leg would race the first for the one hold, and the loser's pull would fail)."""
+    fleet.prefill_a.hands_off_like_the_connector = True
+    assert proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS]).status_code == 200
+    learned = fleet.prefill_a.connector_params
+
+    def restarted(body, dp_rank=0):
+        return {**learned(body, dp_rank), "remote_engine_id": "engine-after-restart"}
+
+    # undone after the test: the fleet serves the whole module
+    monkeypatch.setattr(fleet.prefill_a, "connector_params", restarted)
+    before = len(fleet.decode_a.generation_requests())
+
+    response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
+
+    assert response.status_code == 200
+    legs = fleet.decode_a.generation_requests()[before:]
+    assert len(legs) == 1  # the overlapped leg, kept
+    assert "remote_block_ids" not in legs[0].body["kv_transfer_params"]
+    metrics = proxy.get("/metrics").text
+    assert "vam_proxy_decode_resends_total 0.0" in metrics
+
+
 def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
     fleet: Fleet, start_proxy: StartProxy
 ) -> None:

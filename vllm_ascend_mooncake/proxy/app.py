@@ -58,6 +58,7 @@ from .payloads import (
     overlapped_prefill_body,
     prefill_address,
     prefill_body,
+    same_endpoint,
 )
 from .prefill_ranks import PrefillRanks, RankChoice
 from .trace import RequestTrace
@@ -366,10 +367,11 @@ class DisaggregatingProxy:
             return self._invalid_prefill(prefill_upstream, path, error)
         held_id = (kv_transfer_params or {}).get("remote_request_id")
         held_at = prefill_address(kv_transfer_params)
-        if held_id != transfer_id or held_at != choice.address:
+        if held_id != transfer_id or not same_endpoint(held_at, choice.address):
             # Decode would wait in vain: this prefill did not hold the KV under our id, or
-            # another engine than the one decode was told (an instance that ignored the
-            # data-parallel pin, or restarted under a new engine id) holds it.
+            # workers at another address than decode was told (an engine that ignored the
+            # data-parallel pin) hold it. A restart under a new engine id behind the same
+            # address is not a reason: decode's early pull follows it (see same_endpoint).
             await self._abandon(decode_leg)
             logger.warning(
                 "request %s: prefill %s held the KV %s; sending the decode leg again with what "

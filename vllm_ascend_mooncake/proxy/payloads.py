@@ -70,6 +70,18 @@ def prefill_address(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]
     return address
 
 
+def same_endpoint(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two prefill addresses name the same workers (host, port, TP), whatever engine id
+    each carries. An overlapped decode leg's early pull is bound by its unique transfer id, not
+    the engine id, and follows a prefill that restarted behind the same address under a new
+    engine id by itself; so a new engine id alone is no reason to send the decode leg again (and
+    sending it again would make two decode requests race for one hold: whichever reads first
+    releases it, and the other's pull fails)."""
+    if a is None or b is None:
+        return a is b
+    return all(a[key] == b[key] for key in PREFILL_ADDRESS_KEYS if key != "remote_engine_id")
+
+
 def overlapped_prefill_body(client_body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     """The prefill leg of overlapped legs: :func:`prefill_body`, holding the KV under an id."""
     body = prefill_body(client_body)
