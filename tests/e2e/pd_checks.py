@@ -69,6 +69,14 @@ def summary(result: dict) -> tuple[list[int], list[dict[str, float]]]:
     return choice["token_ids"], choice["logprobs"]["top_logprobs"]
 
 
+def _deviations(top: list[dict[str, float]], ref_top: list[dict[str, float]]) -> list[str]:
+    """Per position, the largest |logprob - colocated| over the colocated top-5 (for messages)."""
+    return [
+        f"{max(abs(got.get(t, float('inf')) - v) for t, v in want.items()):.1e}"
+        for got, want in zip(top, ref_top, strict=True)
+    ]
+
+
 def assert_same(actual: dict, expected: dict, what: str) -> None:
     tokens, top = summary(actual)
     ref_tokens, ref_top = summary(expected)
@@ -76,7 +84,13 @@ def assert_same(actual: dict, expected: dict, what: str) -> None:
     for position, (got, want) in enumerate(zip(top, ref_top, strict=True)):
         assert got.keys() == want.keys(), f"{what}: top-5 differ at position {position}"
         for token, logprob in want.items():
-            assert abs(got[token] - logprob) <= LOGPROB_TOLERANCE, (what, position, token)
+            assert abs(got[token] - logprob) <= LOGPROB_TOLERANCE, (
+                what,
+                position,
+                token,
+                f"logprob {got[token]!r} vs colocated {logprob!r}",
+                f"largest deviation per position: {_deviations(top, ref_top)}",
+            )
 
 
 def metric(url: str, name: str) -> float:
