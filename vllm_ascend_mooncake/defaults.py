@@ -48,6 +48,9 @@ DEFAULT_CLAIM_PARK_S = 1.0
 #: forward. A transfer that ends wakes the wait at once; a request arriving meanwhile waits for
 #: the step to end, so this bounds that delay too.
 DEFAULT_IDLE_STEP_WAIT_MS = 10.0
+#: Before vLLM's sleep mode discards the KV cache, the longest a decode worker waits for its reads
+#: under way to settle (Mooncake's own transfer timeout, ``MC_TRANSFER_TIMEOUT``, is 30 s).
+SLEEP_DRAIN_S = 30.0
 
 
 def default_protocol(device_type: str) -> str:

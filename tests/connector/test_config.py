@@ -343,12 +343,13 @@ def test_a_dense_models_engines_keep_their_rank_and_the_declared_size() -> None:
     keeps the rank. The connector must still give engine 1 its own side-channel ports."""
     from vllm.config import ParallelConfig
 
-    from vllm_ascend_mooncake.connector.config import dp_index, server_dp_position
+    from vllm_ascend_mooncake.connector.config import server_dp_position
+    from vllm_ascend_mooncake.connector.vllm_compat import data_parallel_index
 
     parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
     parallel.reconfigure_for_independent_dp_rank()  # what vLLM's engine core does
     assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
-    assert dp_index(parallel) == 1
+    assert data_parallel_index(parallel) == 1
     assert server_dp_position(parallel, declared_dp_size=2) == (1, 2)
     engine_1 = config(
         kv_role="kv_producer",

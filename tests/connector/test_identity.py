@@ -31,3 +31,14 @@ def test_the_backend_label_names_the_cpu_packing() -> None:
     assert attention_backend_label([amx, amx]) == "CPU_ATTN/amx"
     assert attention_backend_label([vec]) != attention_backend_label([amx])
     assert attention_backend_label([flash, SimpleNamespace()]) == "FLASH_ATTN"
+
+
+def test_a_cpu_layer_without_an_isa_has_no_known_packing() -> None:
+    """vLLM 0.23's CPU attention never sets ``layer.isa``: the label is the bare backend, whose
+    chunk packing is unknown, so only equal block sizes pair (refused at the handshake)."""
+    from vllm_ascend_mooncake.core.packing import chunk_packing
+
+    label = attention_backend_label([SimpleNamespace(attn_backend=_Backend("CPU_ATTN"))])
+    assert label == "CPU_ATTN"
+    assert chunk_packing(label, "auto", 64, 4) == ()
+    assert chunk_packing("CPU_ATTN/vec", "auto", 64, 4) != ()

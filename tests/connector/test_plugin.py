@@ -44,6 +44,20 @@ def test_requests_the_head_major_layout() -> None:
     class Config:
         model_config = Model()
 
-    assert MooncakeHeteroConnector.get_required_kvcache_layout(Config()) == "LBHNC"
+    assert MooncakeHeteroConnector.get_required_kvcache_layout(Config()) == "HND"
     Model.use_mla = True
     assert MooncakeHeteroConnector.get_required_kvcache_layout(Config()) is None
+
+
+def test_the_requested_layout_name_is_head_major_in_this_vllm() -> None:
+    """vLLM 0.23 knows only NHD/HND; 0.30+ resolve HND to LBHNC (vllm_compat.HEAD_MAJOR_LAYOUT).
+    A cache config set to the name the connector asks for must resolve to the head-major layout
+    the worker checks for."""
+    from vllm.config import CacheConfig
+
+    from vllm_ascend_mooncake.connector import vllm_compat
+
+    cache = CacheConfig()
+    cache.kv_cache_layout = vllm_compat.HEAD_MAJOR_LAYOUT  # as the engine core records it
+    resolved = vllm_compat.resolved_kv_cache_layout(type("Config", (), {"cache_config": cache}))
+    assert resolved == vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError
-from vllm_ascend_mooncake.datapath.registration import regions_from_split_caches, storage_ranges
+from vllm_ascend_mooncake.datapath.registration import (
+    regions_from_split_caches,
+    regions_from_vllm_views,
+    storage_ranges,
+)
 
 BLOCKS, BLOCK_SIZE = 6, 16
 NOPE, ROPE = 512, 64  # DeepSeek's kv_lora_rank and qk_rope_head_dim
@@ -144,3 +148,53 @@ def test_without_mla_a_single_tensor_is_refused() -> None:
             head_size=NOPE + ROPE,
             is_mla=False,
         )
+
+
+# --- vLLM 0.23's per-layer shapes (read in its sources; its CPU wheel cannot be installed here) --
+
+
+def _vllm_023_cuda_layer(stride_order: tuple[int, ...]) -> torch.Tensor:
+    """A layer as vLLM 0.23's CUDA backends allocate it: logical ``(blocks, 2, N, H, D)``
+    (``FlashAttentionBackend.get_kv_cache_shape``), physical order ``stride_order``
+    (``get_kv_cache_stride_order``: HND ``(0, 1, 3, 2, 4)``, NHD the identity)."""
+    logical = (5, 2, 16, 3, 8)
+    physical = torch.arange(torch.Size(logical).numel(), dtype=torch.float16)
+    physical = physical.view(*(logical[i] for i in stride_order))
+    inverse = [stride_order.index(i) for i in range(5)]
+    return physical.permute(*inverse)
+
+
+@pytest.mark.parametrize(
+    "stride_order,order",
+    [((0, 1, 3, 2, 4), BlockOrder.HEAD_MAJOR), ((0, 1, 2, 3, 4), BlockOrder.TOKEN_MAJOR)],
+    ids=["HND", "NHD"],
+)
+def test_a_five_dimensional_layer_becomes_k_and_v_regions_at_the_right_bytes(
+    stride_order, order
+) -> None:
+    layer = _vllm_023_cuda_layer(stride_order)
+    regions = regions_from_vllm_views(
+        {"layers.0.attn": layer}, num_kv_heads=3, block_size=16, is_mla=False
+    )
+    assert [r.name for r in regions] == ["layers.0.attn.k", "layers.0.attn.v"]
+    size = layer.element_size()
+    for kv, region in enumerate(regions):
+        layout = region.layout
+        assert layout.block_order is order and layout.num_heads == 3
+        assert layout.head_token_bytes == 8 * size and layout.packing == ()
+        for block, token, head in [(0, 0, 0), (4, 15, 2), (2, 7, 1)]:
+            if order is BlockOrder.HEAD_MAJOR:
+                offset = head * layout.head_chunk_bytes + token * layout.head_token_bytes
+            else:
+                offset = token * layout.token_bytes + head * layout.head_token_bytes
+            address = region.base + block * layout.block_stride + offset
+            assert address == layer[block, kv, token, head].data_ptr()
+
+
+def test_a_three_dimensional_mla_layer_is_one_latent_region() -> None:
+    latent = torch.zeros(4, 16, 576, dtype=torch.bfloat16)  # vLLM 0.23 MLA: (blocks, N, width)
+    (region,) = regions_from_vllm_views(
+        {"layers.0.attn": latent}, num_kv_heads=1, block_size=16, is_mla=True
+    )
+    assert region.layout.block_order is BlockOrder.LATENT
+    assert region.layout.block_stride == 16 * 576 * 2

@@ -129,6 +129,7 @@ from .migration import (
     explicit_kv_port as explicit_kv_port,
 )
 from .params import MAX_TRANSFER_ID_CHARS
+from .vllm_compat import data_parallel_index
 
 #: Bytes per unit of the ``*_kib`` / ``*_mib`` keys (see the ``*_bytes`` properties of
 #: :class:`ConnectorConfig`, the one place they are converted).
@@ -448,7 +449,7 @@ def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
-    dp_rank = dp_index(parallel)
+    dp_rank = data_parallel_index(parallel)
     extra = transfer.kv_connector_extra_config
     return parse_config(
         kv_role=transfer.kv_role,
@@ -465,13 +466,6 @@ def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
         device_type=current_platform.device_type,
         kv_port=explicit_kv_port(transfer),
     )
-
-
-def dp_index(parallel: Any) -> int:
-    """This engine's data-parallel rank. vLLM resets ``data_parallel_rank`` to 0 in each engine
-    of a dense model (they run as independent DP 1 engines) and keeps the rank only in
-    ``data_parallel_index``."""
-    return getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
 
 
 def _declared_dp_size(extra: dict[str, Any] | None, kv_role: str) -> int:
@@ -495,4 +489,4 @@ def server_dp_position(parallel: Any, declared_dp_size: int = 1) -> tuple[int, i
         if parallel.data_parallel_size_local > 1:
             return parallel.data_parallel_rank_local or 0, parallel.data_parallel_size_local
         return 0, 1
-    return dp_index(parallel), max(declared_dp_size, parallel.data_parallel_size)
+    return data_parallel_index(parallel), max(declared_dp_size, parallel.data_parallel_size)

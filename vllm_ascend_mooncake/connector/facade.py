@@ -8,6 +8,9 @@ A step's orders (holds, pulls, drops, cancels) are applied when vLLM binds the s
 before the forward, not in ``start_load_kv``: vLLM 0.32 calls ``start_load_kv`` after the forward
 when no load is synchronous, which delayed every hold (and so decode's read) and every pull by a
 whole forward of the instance's other requests (a 256-token prefill: 40 ms on 2 CPU cores).
+
+Hooks that only some vLLM releases call (sleep mode, KV cache access, cache-hit sources, loaded
+groups) are defined here for all of them; :mod:`.vllm_compat` holds what differs between releases.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..datapath.orders import StepOrders
+from . import vllm_compat
 from .config import config_from_vllm
 from .scheduler import ConnectorScheduler
 from .stats import TransferPromMetrics, TransferStats
@@ -45,6 +49,9 @@ class StepMetadata(KVConnectorMetadata):
 
 class MooncakeHeteroConnector(KVConnectorBase_V1):
     """P/D disaggregation over Mooncake with heterogeneous TP (GQA head merge and slice)."""
+
+    # vLLM 0.33+ labels external prefix-cache hits by tier: a pull comes from a peer instance.
+    _cache_hit_source = vllm_compat.p2p_cache_hit_source()
 
     def __init__(
         self,
@@ -70,7 +77,19 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         """Head-major blocks: a head slice is one byte range, so pulls land in place."""
         if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
             return None
-        return "LBHNC"
+        return vllm_compat.HEAD_MAJOR_LAYOUT
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+: the workers register the KV cache with Mooncake (RDMA on NPUs and GPUs),
+        so each segment of a growable KV cache must be one physical allocation."""
+        return vllm_compat.registers_kv_cache_access()
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: sleep and wake are followed by :meth:`unregister_kv_caches` and
+        :meth:`restore_kv_caches` (the KV cache keeps its addresses, its contents are lost)."""
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
@@ -87,6 +106,10 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------------
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """vLLM 0.33+: a pull restores the request's blocks of every transferred group."""
+        return vllm_compat.transfer_group_ids(self._kv_cache_config)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -119,6 +142,16 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before sleep (or discarding the KV cache): stop serving and reading KV
+        and drop the Mooncake registrations. Idempotent."""
+        self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, after wake-up: register the KV cache again and serve; transfers held
+        before the sleep stay refused. Idempotent."""
+        self._worker.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

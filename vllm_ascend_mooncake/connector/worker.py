@@ -19,10 +19,12 @@ from ..datapath.orders import StepOrders
 from ..datapath.receiver import Receiver
 from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 from ..datapath.sender import PrefillSender
-from ..datapath.transport import Transport, create_transport
+from ..datapath.transport import MemoryRange, Transport, create_transport
 from ..datapath.wire import ModelIdentity
+from ..defaults import SLEEP_DRAIN_S
 from ..log import get_logger
 from ..timeline import TimelineLog
+from . import vllm_compat
 from .config import ConnectorConfig
 from .identity import model_identity
 from .stats import TransferStats
@@ -38,6 +40,12 @@ from .wiring import (
 
 logger = get_logger(__name__)
 timeline_log = TimelineLog(get_logger(f"{__name__}.timeline"))
+
+#: Why transfers are refused between vLLM's ``unregister_kv_caches`` and ``restore_kv_caches``.
+ASLEEP = (
+    "the instance is asleep (vLLM sleep mode): its KV cache is unregistered and its contents "
+    "are discarded; wake it up (POST /wake_up) before sending requests"
+)
 
 
 def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacking:
@@ -85,6 +93,8 @@ class ConnectorWorker:
         self.receiver: Receiver | None = None
         self._decode: DecodeSide | None = None
         self._load_errors: set[int] = set()
+        #: the memory unregistered for sleep, None while awake
+        self._unregistered: list[MemoryRange] | None = None
         self.stats = TransferStats()
 
     # -- registration ------------------------------------------------------------------------
@@ -169,16 +179,53 @@ class ConnectorWorker:
         return KVCacheMemory(list(ordered.values()), regions)
 
     def _check_resolved_layout(self) -> None:
-        try:
-            resolved = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
-        except Exception:
+        resolved = vllm_compat.resolved_kv_cache_layout(self._vllm_config)
+        if resolved is None or self.config.is_mla:
             return
-        if not self.config.is_mla and resolved != "LBHNC":
+        if resolved != vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT:
             logger.warning(
-                "KV cache layout resolved to %s instead of the preferred LBHNC (an attention "
+                "KV cache layout resolved to %s instead of the preferred %s (an attention "
                 "backend vetoed it); heterogeneous TP then re-lays blocks out after each pull",
                 resolved,
+                vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT,
             )
+
+    # -- sleep mode (vLLM 0.33+) ---------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM discards the KV cache (sleep): stop serving and reading, then drop the
+        registrations. Held blocks are released (their bytes are about to be lost), and until
+        :meth:`restore_kv_caches` every claim on this prefill and every pull on this decode is
+        refused with :data:`ASLEEP`. Idempotent."""
+        if self.transport is None or self._unregistered is not None:
+            return
+        if self.sender is not None:
+            self.sender.suspend(ASLEEP)
+        if self.receiver is not None:
+            self.receiver.suspend(ASLEEP, SLEEP_DRAIN_S)
+        self._unregistered = self.transport.unregister()
+        logger.info(
+            "%s worker %d: KV cache unregistered for sleep (%d memory region(s))",
+            self.config.role,
+            self.tp_rank,
+            len(self._unregistered),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: register the same memory again (vLLM keeps the KV cache's addresses,
+        so what peers know of this worker stays true) and serve again. Transfers released for
+        the sleep stay refused: the tracker remembers them as for any release."""
+        if self.transport is None or self._unregistered is None:
+            return
+        self.transport.register(self._unregistered)
+        self._unregistered = None
+        if self.sender is not None:
+            self.sender.resume()
+        if self.receiver is not None:
+            self.receiver.resume()
+        logger.info(
+            "%s worker %d: KV cache registered again after wake-up", self.config.role, self.tp_rank
+        )
 
     # -- per step ------------------------------------------------------------------------------
 

@@ -96,6 +96,11 @@ class InProcessTransport:
             self._memory = merge_ranges([*self._memory, *merged])
         return merged
 
+    def unregister(self) -> list[MemoryRange]:
+        with self._lock:
+            ranges, self._memory = self._memory, []
+        return ranges
+
     def read(
         self,
         peer_session: str,

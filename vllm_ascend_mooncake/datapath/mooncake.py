@@ -234,10 +234,14 @@ class MooncakeTransport:
             sleep_s = min(sleep_s * 2, POLL_MAX_SLEEP_S)
         return pending, failed
 
-    def close(self) -> None:
+    def unregister(self) -> list[MemoryRange]:
         with self._lock:
             ranges, self._registered = self._registered, []
         if ranges:
             rc = self._engine.batch_unregister_memory([r.addr for r in ranges])
             if rc != 0:
                 logger.warning("Mooncake batch_unregister_memory returned %d", rc)
+        return ranges
+
+    def close(self) -> None:
+        self.unregister()

@@ -245,6 +245,8 @@ class Receiver:
         self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
         self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
         self._stats: list[PullStats] = []
+        #: why pulls fail at once while vLLM's sleep mode has the KV cache (None: awake)
+        self._suspended: str | None = None
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="vam-recv-dispatch", daemon=True
         )
@@ -257,7 +259,32 @@ class Receiver:
             with self._lock:
                 self._waited_for += 1
                 self._in_flight.add(pull.request_id)
+                suspended = self._suspended
+            if suspended is not None:
+                self._finish(pull, suspended)
+                return
         self._queue.put((pull, PullTimeline(submitted=time.monotonic())))
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """Before vLLM's sleep mode discards the KV cache: fail new pulls with ``reason``, make
+        pulls still waiting for a grant give up, and wait up to ``timeout_s`` for reads under
+        way to settle (they write into the memory about to be unregistered)."""
+        deadline = time.monotonic() + timeout_s
+        with self._news:
+            self._suspended = reason
+            self._cancelled |= self._in_flight
+            while self._waited_for and (left := deadline - time.monotonic()) > 0:
+                self._news.wait(left)
+            if self._waited_for:
+                logger.warning(
+                    "%d pull(s) still under way when the KV cache is unregistered for sleep",
+                    self._waited_for,
+                )
+
+    def resume(self) -> None:
+        """Pull again (after vLLM's wake-up)."""
+        with self._lock:
+            self._suspended = None
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's

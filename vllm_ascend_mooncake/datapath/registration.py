@@ -1,6 +1,7 @@
 """From a worker's KV cache tensors to the regions the planner sees and the memory to register.
 
-vLLM 0.32 hands the connector one 4-D view per layer, all views sharing one backing allocation;
+vLLM 0.30+ hands the connector one 4-D view per layer, all views sharing one backing allocation
+(0.23's other shapes: :func:`regions_from_vllm_views`);
 vllm-ascend hands over a tuple of tensors per layer: K and V, or for MLA models the nope and rope
 caches (or one packed latent). Either way each tensor becomes one :class:`Region` described from
 its real shape and strides, and memory is registered once per distinct storage.
@@ -50,9 +51,33 @@ def regions_from_vllm_views(
     packing: ChunkPacking = (),
 ) -> list[Region]:
     """One region per layer view ``[num_blocks, H, N, C]``, in the order vLLM gave them;
-    ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`)."""
+    ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`).
+
+    vLLM 0.23 hands other shapes, read in its sources (not run: its CPU wheel pins a torch that
+    cannot be installed here): CUDA backends a 5-D ``(num_blocks, 2, N, H, D)`` per layer (K and
+    V as separate halves of each block, ``flash_attn.py`` ``get_kv_cache_shape``), which become
+    two regions ``<layer>.k`` and ``<layer>.v``, and MLA a 3-D latent ``(num_blocks, N, width)``.
+    Their chunks' packing is unknown (equal block sizes only)."""
     regions = []
     for name, view in kv_caches.items():
+        if view.dim() == 5 and view.shape[1] == 2 and not is_mla:
+            for suffix, half in (("k", view[:, 0]), ("v", view[:, 1])):
+                heads_first = half.permute(0, 2, 1, 3)  # [blocks, H, N, D], strides kept
+                layout = describe_vllm_layer_view(
+                    heads_first.shape,
+                    heads_first.stride(),
+                    view.element_size(),
+                    num_kv_heads=num_kv_heads,
+                    block_size=block_size,
+                )
+                regions.append(Region(f"{name}.{suffix}", heads_first.data_ptr(), layout))
+            continue
+        if is_mla and view.dim() == 3:
+            layout = describe_latent_tensor(
+                view.shape, view.stride(), view.element_size(), block_size=block_size
+            )
+            regions.append(Region(name, view.data_ptr(), layout))
+            continue
         layout = describe_vllm_layer_view(
             view.shape,
             view.stride(),

@@ -27,6 +27,11 @@ names another size, and then those of that size; a later message naming a third 
 refused. Only a prefill that replicates KV heads (TP larger than the head count) serves its
 configured decode TP alone: which replicas are read depends on the decode TP, and the unread ones
 were released when the request was held.
+
+Before vLLM's sleep mode discards the KV cache, the tracker is suspended: claims are refused,
+holds nobody has a lease on are released at once, and :meth:`SendTracker.suspend` waits for the
+leases already granted to end (read-done or expiry), so no decode reads memory that the wake-up
+hands to other requests. Transfers released then stay refused after :meth:`SendTracker.resume`.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class SendTracker:
         self.num_ignored_notices = 0
         #: Called (outside the lock) after a hold or a drop, so parked claims are answered.
         self.on_change: Callable[[], None] | None = None
+        #: why claims are refused while vLLM's sleep mode has the KV cache (None: awake)
+        self._suspended: str | None = None
 
     @property
     def lease_s(self) -> float:
@@ -150,6 +157,9 @@ class SendTracker:
                     )
                     self._finished.add(request_id)
                     self._news.notify_all()
+                return
+            if self._suspended is not None:  # its bytes are about to be discarded
+                self._release(transfer_id, request_id)
                 return
             early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
             topology = self._reader_topology(early_tp) or self._topology
@@ -236,6 +246,8 @@ class SendTracker:
         once, since the readers this rank waits for will never all come."""
         now = self._clock()
         with self._lock:
+            if self._suspended is not None:
+                return ClaimReply("refused", reason=self._suspended)
             held = self._held.get(transfer_id)
             if held is None:
                 if transfer_id in self._released:
@@ -319,6 +331,8 @@ class SendTracker:
             if not held.readers_left:
                 del self._held[transfer_id]
                 self._release(transfer_id, held.request_id)
+            elif self._suspended is not None:
+                self._news.notify_all()  # suspend waits for leases to end
         return True
 
     def _release(self, transfer_id: str, request_id: str) -> None:
@@ -326,6 +340,40 @@ class SendTracker:
         self._finished.add(request_id)
         self._news.notify_all()
         self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """Stop serving before the KV cache is discarded: refuse claims with ``reason``, release
+        every hold nobody has a lease on, and wait (up to ``timeout_s``, and never past a lease's
+        end) for the granted leases to end; whatever is still held then is released too."""
+        give_up = self._clock() + timeout_s
+        with self._lock:
+            self._suspended = reason
+            for transfer_id, held in list(self._held.items()):
+                if not held.lessees:
+                    del self._held[transfer_id]
+                    self._release(transfer_id, held.request_id)
+            while self._held:
+                now = self._clock()
+                until = min(give_up, max(held.deadline for held in self._held.values()))
+                if now >= until:
+                    break
+                self._news.wait(until - now)
+            for transfer_id, held in list(self._held.items()):
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id)
+                logger.warning(
+                    "released KV blocks of request %s for sleep while decode rank(s) %s still "
+                    "held a lease",
+                    held.request_id,
+                    sorted(held.readers_left),
+                )
+        if self.on_change is not None:
+            self.on_change()  # parked claims are answered (refused) now
+
+    def resume(self) -> None:
+        """Serve claims again (after vLLM's wake-up)."""
+        with self._lock:
+            self._suspended = None
 
     def take_finished(self) -> set[str]:
         """Requests whose blocks can be freed now; expires overdue ones first."""
@@ -446,6 +494,14 @@ class PrefillSender:
                 )
             return Ack()
         return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
+
+    def suspend(self, reason: str) -> None:
+        """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release
+        timeout for reads under way (see :meth:`SendTracker.suspend`)."""
+        self.tracker.suspend(reason, self.tracker.lease_s)
+
+    def resume(self) -> None:
+        self.tracker.resume()
 
     def close(self) -> None:
         self._server.close()

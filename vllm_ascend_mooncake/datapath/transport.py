@@ -74,6 +74,11 @@ class Transport(Protocol):
         """Make memory readable by peers (and writable by reads); returns what was registered."""
         ...
 
+    def unregister(self) -> list[MemoryRange]:
+        """Drop every registration (vLLM's sleep mode); returns what was registered, to be
+        registered again on wake-up. Peers' reads of that memory fail until then."""
+        ...
+
     def read(
         self,
         peer_session: str,
