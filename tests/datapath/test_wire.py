@@ -83,6 +83,37 @@ def test_structured_garbage_decodes_or_raises_wire_error(value) -> None:
             decode(msgspec.msgpack.encode(wrapped))
 
 
+def _nested(depth: int) -> bytes:
+    """``{"version": 3, "x": [[[...nil...]]]}``: about ``depth`` bytes of msgpack (#27 row 1)."""
+    prefix = b"\x82" + msgspec.msgpack.encode("version") + b"\x03" + msgspec.msgpack.encode("x")
+    return prefix + b"\x91" * depth + b"\xc0"
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_deeply_nested_messages_raise_wire_error(depth: int) -> None:
+    with pytest.raises(WireError, match="nested too deeply"):
+        decode(_nested(depth))
+
+
+def test_a_deeply_nested_message_leaves_the_server_serving() -> None:
+    port = free_port_range(1)
+    server = SideChannelServer("127.0.0.1", port, lambda message: Ack())
+    client = SideChannelClient(timeout_s=5)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(f"tcp://127.0.0.1:{port}")
+        raw.send_multipart([b"", _nested(1_000)])
+        assert raw.poll(5000)
+        assert b"nested too deeply" in raw.recv_multipart()[1]
+        assert server._thread.is_alive()
+        assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
+    finally:
+        raw.close()
+        client.close()
+        server.close()
+
+
 def test_server_survives_malformed_frames_and_handler_errors() -> None:
     def handler(message):
         if isinstance(message, ClaimRead):

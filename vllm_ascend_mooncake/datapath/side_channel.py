@@ -198,23 +198,29 @@ class SideChannelServer:
                     self._answer(identity, message, park)
             if self._socket not in events:
                 continue
-            frames = self._socket.recv_multipart()
-            if len(frames) not in (3, 4) or frames[1] != b"":
-                logger.warning("side channel dropped a message with %d frame(s)", len(frames))
-                continue
-            identity, payload = frames[0], frames[2]
-            if not self._authentic(payload, frames[3] if len(frames) == 4 else None):
-                self._send(identity, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
-                continue
             try:
-                message = decode(payload)
-            except WireError as exc:
-                logger.warning("side channel rejected a message: %s", exc)
-                self._send(identity, ErrorReply(bounded_text(str(exc))))
-                continue
-            self._answer(identity, message)
+                self._receive_one()
+            except Exception:  # no message, however crafted, may end the server thread
+                logger.exception("side channel %s:%d dropped a message it failed on", *self.address)
         self._socket.close()
         self._wake_in.close()
+
+    def _receive_one(self) -> None:
+        frames = self._socket.recv_multipart()
+        if len(frames) not in (3, 4) or frames[1] != b"":
+            logger.warning("side channel dropped a message with %d frame(s)", len(frames))
+            return
+        identity, payload = frames[0], frames[2]
+        if not self._authentic(payload, frames[3] if len(frames) == 4 else None):
+            self._send(identity, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
+            return
+        try:
+            message = decode(payload)
+        except WireError as exc:
+            logger.warning("side channel rejected a message: %s", exc)
+            self._send(identity, ErrorReply(bounded_text(str(exc))))
+            return
+        self._answer(identity, message)
 
     def close(self) -> None:
         with self._wake_lock:

@@ -244,3 +244,5 @@ def decode(data: bytes) -> Message:
         return _decoder.decode(data).body
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"malformed side-channel message: {exc}") from exc
+    except RecursionError as exc:  # msgspec recurses into nested values, even skipped ones
+        raise WireError("malformed side-channel message: nested too deeply") from exc
