@@ -125,6 +125,32 @@ def test_prefill_ignores_unusable_transfer_ids(transfer_id) -> None:
     assert params["remote_request_id"] == "p-7"
 
 
+def test_a_request_id_longer_than_the_wire_carries_is_handed_off_under_a_bounded_id() -> None:
+    """vLLM builds its request id from the client's X-Request-Id (#27 row 7): however long, the
+    params decode receives must be accepted, so decode pulls (and frees prefill's hold)."""
+    long_ids = [f"cmpl-{'a' * 250}-0-1a2b3c4d", f"cmpl-{'a' * 250}-0-5e6f7a8b"]
+    p = scheduler("kv_producer")
+    handed = []
+    for request_id in long_ids:
+        req = request(request_id, 70, {"do_remote_decode": True})
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = p.request_finished(req, [7, 8, 9])
+        assert delay
+        handed.append(params)
+    holds = p.build_step_orders().holds
+    assert [hold.request_id for hold in holds] == long_ids
+    transfer_ids = [params["remote_request_id"] for params in handed]
+    assert [hold.transfer_id for hold in holds] == transfer_ids
+    assert len(set(transfer_ids)) == 2  # ids differing only at their end stay apart
+    assert all(len(transfer_id) <= MAX_TRANSFER_ID_CHARS for transfer_id in transfer_ids)
+    d = scheduler("kv_consumer")
+    req = request("d-long", 70, dict(handed[0]))
+    assert d.get_num_new_matched_tokens(req, 0) == (70, True)
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 70)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.transfer_id == transfer_ids[0]
+
+
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
 def test_prefill_drops_an_aborted_transfer_so_the_waiting_decode_is_refused(status) -> None:
     p = scheduler("kv_producer")

@@ -16,6 +16,7 @@ send the next request's prefill leg to the engine it names to decode.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 import msgspec
@@ -59,12 +60,23 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         return msgspec.to_builtins(self)
 
 
-def transfer_id_of(params: dict[str, Any], default: str) -> str:
-    """The id a prefill request's KV is claimed under: the proxy's ``transfer_id``, if valid."""
+def transfer_id_of(params: dict[str, Any], request_id: str) -> str:
+    """The id a prefill request's KV is claimed under: the proxy's ``transfer_id``, if valid,
+    else the request id (:func:`bounded_id`)."""
     transfer_id = params.get(TRANSFER_ID_KEY)
     if isinstance(transfer_id, str) and 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
         return transfer_id
-    return default
+    return bounded_id(request_id)
+
+
+def bounded_id(request_id: str) -> str:
+    """``request_id``, or when it is longer than the wire carries (vLLM builds it from the
+    client's ``X-Request-Id``, of any length) its head and a digest of the whole: as unique as the
+    id itself, so the hand-off never fails for the length of an id."""
+    if len(request_id) <= MAX_TRANSFER_ID_CHARS:
+        return request_id
+    digest = hashlib.sha256(request_id.encode()).hexdigest()[:32]
+    return f"{request_id[: MAX_TRANSFER_ID_CHARS - len(digest) - 1]}~{digest}"
 
 
 def parse_remote_prefill(
