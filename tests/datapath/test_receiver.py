@@ -9,6 +9,7 @@ are compared byte for byte with the reference, and every report (vLLM's and pref
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -786,3 +787,38 @@ def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(
     assert "with head-major blocks whose packing is unknown" in str(decode.failed["r1"])
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
     # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)
+
+
+def test_two_pulls_of_one_transfer_on_one_worker_never_read_released_blocks(cluster) -> None:
+    """A router retrying the decode leg sends one transfer twice to one worker (#27 row 2): both
+    pulls share the worker's lease, so prefill must hear the read-done notice only from the last
+    of them; else it frees (and vLLM reuses) the blocks while the other still reads, and that one
+    is reported loaded with another request's bytes."""
+    c = cluster(4, prefill_tp=1, decode_tp=1)
+    (p,), (d,) = c.prefill, c.decode
+    remote, first_local, second_local = [1, 2, 3], [4, 5, 6], [10, 11, 12]
+    read_done = p.tracker.read_done
+
+    def reuse_when_released(transfer_id, decode_rank, success, reader="", decode_tp=-1):
+        answer = read_done(transfer_id, decode_rank, success, reader, decode_tp)
+        if transfer_id not in p.tracker._held:  # released: vLLM reuses the blocks at once
+            for index in range(len(p.cache.regions)):
+                for block in remote:
+                    p.cache.block(index, block)[:] = 0xEE
+        return answer
+
+    p.tracker.read_done = reuse_when_released
+    c.hold("a", remote)
+    d.transport.delay_s = 0.3  # the second read starts after the first one's notice
+    first = c.order("a", first_local, remote)
+    d.receiver.submit(first)
+    d.receiver.submit(dataclasses.replace(first, request_id="b", local_block_ids=(10, 11, 12)))
+    d.wait(["a", "b"], timeout_s=20)
+    assert d.done == {"a", "b"} and not d.failed
+    for index, region in enumerate(d.cache.regions):
+        for local_ids in (first_local, second_local):
+            for local, block in zip(local_ids, remote, strict=True):
+                want = c.ref.expected_block(index, block, d.heads, region.layout.block_order)
+                assert np.array_equal(d.cache.block(index, local), want)
+    assert c.freed(p, "a")  # notices travel off the read path: wait for the release first
+    assert [notice[0] for notice in p.notices] == ["t-a"]  # one notice, from the last reader

@@ -245,6 +245,10 @@ class Receiver:
         self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
         self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
         self._stats: list[PullStats] = []
+        # (transfer id, prefill host, port) -> pulls on this worker that looked the peer up for
+        # it and have not sent their read-done notice: only the last one sends it, so a second
+        # pull of one transfer (a router retrying the decode leg) never reads released blocks.
+        self._readers: dict[tuple[str, str, int], int] = {}
         #: why pulls fail at once while vLLM's sleep mode has the KV cache (None: awake)
         self._suspended: str | None = None
         self._dispatcher = threading.Thread(
@@ -365,6 +369,9 @@ class Receiver:
             peers[rank] = _Peer(
                 rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
             )
+            with self._lock:
+                key = (pull.transfer_id, pull.remote_host, port)
+                self._readers[key] = self._readers.get(key, 0) + 1
         remote_block_ids = pull.remote_block_ids
         if pull.local_block_ids:
             for peer in peers.values():
@@ -632,6 +639,12 @@ class Receiver:
             self._news.notify_all()
 
     def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
+        key = (transfer_id, peer.host, peer.port)
+        with self._lock:
+            left = self._readers.pop(key, 1) - 1
+            if left > 0:  # another pull of this transfer still reads this peer: it notifies
+                self._readers[key] = left
+                return
         message = ReadDone(
             request_id=transfer_id,
             decode_rank=self._rank,
