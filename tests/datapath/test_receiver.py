@@ -822,3 +822,23 @@ def test_two_pulls_of_one_transfer_on_one_worker_never_read_released_blocks(clus
                 assert np.array_equal(d.cache.block(index, local), want)
     assert c.freed(p, "a")  # notices travel off the read path: wait for the release first
     assert [notice[0] for notice in p.notices] == ["t-a"]  # one notice, from the last reader
+
+
+def test_shutdown_does_not_wait_out_an_early_pull() -> None:
+    """An early pull waits up to prefill_wait_s for prefill (#27 row 9); shutting down gives it
+    up at its next ask instead (a bound far below prefill_wait_s, not a measurement)."""
+    c = Cluster(4, prefill_tp=1, decode_tp=1, options=dataclasses.replace(FAST, prefill_wait_s=60))
+    try:
+        (d,) = c.decode
+        d.receiver.submit(c.order("early", [1], [1], early=True))
+        time.sleep(0.2)  # the pull is asking prefill by now (nothing holds it)
+        started = time.monotonic()
+        d.receiver.shutdown()
+        assert time.monotonic() - started < 20
+        _, failed = d.receiver.take_finished()
+        assert failed["early"].cancelled
+    finally:
+        for side in c.prefill:
+            side.close()
+        c.decode[0].client.close()
+        c.decode[0].transport.close()

@@ -328,6 +328,10 @@ class Receiver:
         return stats
 
     def shutdown(self) -> None:
+        """Stop: pulls still waiting for a grant give up at their next ask (within
+        ``claim_park_s``) instead of waiting out ``prefill_wait_s``; reads under way end."""
+        with self._lock:
+            self._cancelled |= self._in_flight
         self._queue.put(None)
         self._dispatcher.join(timeout=5)
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
