@@ -296,3 +296,22 @@ def test_region_packing_travels_and_peers_of_either_version_understand_each_othe
     assert from_old.to_region().layout.packing == ()
     with pytest.raises(WireError, match="not a valid layout"):
         msgspec.structs.replace(info, packing=[(0, 2, 1)]).to_region()
+
+
+def test_a_client_keeps_a_bounded_number_of_sockets_however_many_peers_it_met() -> None:
+    """Prefill endpoints come and go (rollouts, #27 row 6): past the ZMQ context's 1,023 sockets
+    every pull to a new prefill would fail; the least recently used peer's socket is closed."""
+    from vllm_ascend_mooncake.datapath.side_channel import MAX_PEER_SOCKETS_PER_THREAD
+
+    port = free_port_range(1)
+    server = SideChannelServer("127.0.0.1", port, lambda message: Ack())
+    client = SideChannelClient(timeout_s=5)
+    try:
+        unused = free_port_range(1)  # loopback addresses only; nothing listens there
+        for i in range(1_200):
+            client._socket((f"127.0.{i // 250 + 1}.{i % 250 + 1}", unused))
+        assert len(client._all_sockets) <= MAX_PEER_SOCKETS_PER_THREAD
+        assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
+    finally:
+        client.close()
+        server.close()

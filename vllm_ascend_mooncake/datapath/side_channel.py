@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -229,6 +230,10 @@ class SideChannelServer:
         self._thread.join(timeout=5)
 
 
+#: Sockets one thread keeps open to distinct peers (see :meth:`SideChannelClient._socket`).
+MAX_PEER_SOCKETS_PER_THREAD = 16
+
+
 class SideChannelClient:
     """Request/response exchanges with peers' side channels.
 
@@ -245,19 +250,28 @@ class SideChannelClient:
         self._guard = threading.Lock()
 
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
-        sockets: dict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault("sockets", {})
+        """This thread's socket to ``peer``; the least recently used one is closed past
+        :data:`MAX_PEER_SOCKETS_PER_THREAD`, so peers that went away (rollouts) cannot exhaust
+        the ZMQ context's sockets (1,023)."""
+        sockets: OrderedDict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault(
+            "sockets", OrderedDict()
+        )
         sock = sockets.get(peer)
-        if sock is None:
-            host, port = peer
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(zmq_address(host, port))
-            sockets[peer] = sock
-            with self._guard:
-                self._all_sockets.add(sock)
+        if sock is not None:
+            sockets.move_to_end(peer)
+            return sock
+        while len(sockets) >= MAX_PEER_SOCKETS_PER_THREAD:
+            self._drop(*sockets.popitem(last=False))
+        host, port = peer
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(zmq_address(host, port))
+        sockets[peer] = sock
+        with self._guard:
+            self._all_sockets.add(sock)
         return sock
 
     def _drop(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
@@ -270,7 +284,10 @@ class SideChannelClient:
     def request(self, host: str, port: int, message: Message) -> Message:
         """Send ``message`` and return the reply; raises :class:`SideChannelError`."""
         peer = (host, port)
-        sock = self._socket(peer)
+        try:
+            sock = self._socket(peer)
+        except zmq.ZMQError as exc:  # out of sockets or file descriptors: retried like a timeout
+            raise SideChannelError(f"no socket to {host}:{port}: {exc}") from exc
         try:
             payload = encode(message)
             frames = [b"", payload]
