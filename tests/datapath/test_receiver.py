@@ -842,3 +842,25 @@ def test_shutdown_does_not_wait_out_an_early_pull() -> None:
             side.close()
         c.decode[0].client.close()
         c.decode[0].transport.close()
+
+
+def test_a_quarantined_staging_area_fails_later_pulls_instead_of_hanging_them() -> None:
+    """A read that never settles keeps its staging area for ever (#27 row 5): the pulls that
+    need it next must fail after claim_wait_s, or when vLLM cancels them, and shutdown must
+    return; none may wait for ever (the worker would never report anything again)."""
+    c = Cluster(4, prefill_tp=1, decode_tp=2, token_major=True, options=FAST)  # slices stage
+    d = c.decode[0]
+    try:
+        d.transport.fail_reads(1, unsettled=True)
+        c.pull("quarantined", [1], [1], ranks=[0])
+        c.pull("waits", [2], [2], ranks=[0])
+        c.pull("cancelled", [3], [3], ranks=[0])
+        time.sleep(0.2)
+        d.receiver.cancel("cancelled")
+        d.wait(["waits", "cancelled"], timeout_s=FAST.claim_wait_s + 10)
+        assert "no staging area became free" in d.failed["waits"].reason
+        assert "1 of 1 held by reads that never settled" in d.failed["waits"].reason
+        assert d.failed["cancelled"].cancelled
+        assert "quarantined" not in d.done | set(d.failed)  # never reported: bytes may land
+    finally:
+        c.close()  # returns: no planning thread is left waiting for an area

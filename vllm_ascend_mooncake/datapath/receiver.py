@@ -26,7 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -121,18 +121,42 @@ class PullStats:
 
 
 class StagingPool:
-    """Registered buffers that token-major slice pulls land in; one per request in flight."""
+    """Registered buffers that token-major slice pulls land in; one per request in flight.
+
+    An area whose read never settled is quarantined (bytes may still land there) and never
+    comes back; a pull that needs an area waits for one at most ``wait_s`` and gives up when
+    vLLM no longer wants it, so a quarantine can fail pulls but never hang the worker."""
 
     def __init__(self, areas: Sequence[StagingArea]) -> None:
         self._free: queue.Queue[StagingArea] = queue.Queue()
+        self._size = len(areas)
+        self.num_quarantined = 0
         for area in areas:
             self._free.put(area)
 
-    def acquire(self) -> StagingArea:
-        return self._free.get()
+    def acquire(self, wait_s: float, check: Callable[[], None], poll_s: float) -> StagingArea:
+        """A free area; raises once ``wait_s`` passed, or whatever ``check`` raises (it is
+        called every ``poll_s`` while waiting)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            check()
+            try:
+                return self._free.get(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+            except queue.Empty:
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"no staging area became free within {wait_s:.0f} s ({self.num_quarantined} "
+                    f"of {self._size} held by reads that never settled: restart this decode "
+                    f"instance to get them back, or raise staging_buffer_mib)"
+                )
 
     def release(self, area: StagingArea) -> None:
         self._free.put(area)
+
+    def quarantine(self, area: StagingArea) -> None:
+        """``area`` never comes back (a read into it may still land)."""
+        self.num_quarantined += 1
 
 
 @dataclass
@@ -391,7 +415,11 @@ class Receiver:
                     "this worker has no staging buffer, which this request needs (a slice of "
                     "token-major blocks, or head-major blocks of another block size)"
                 )
-            staging = self._staging.acquire()
+            staging = self._staging.acquire(
+                self._options.claim_wait_s,
+                lambda: self._check_cancelled(pull),
+                self._options.claim_park_s,
+            )
         try:
             plan = plan_request(
                 topology,
@@ -589,6 +617,8 @@ class Receiver:
                 state.failure,
                 len(state.pull.local_block_ids),
             )
+            if state.staging is not None and self._staging is not None:
+                self._staging.quarantine(state.staging)
             with self._lock:
                 self._waited_for -= 1  # nothing to wait for: it is never reported
                 self._in_flight.discard(state.pull.request_id)
