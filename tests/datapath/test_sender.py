@@ -89,6 +89,43 @@ def test_memory_of_released_and_early_ids_is_bounded_in_time() -> None:
     assert t._early == {} and t._released == {}
 
 
+def test_remembered_ids_are_forgotten_oldest_first_without_a_scan_per_step() -> None:
+    """Prefill rescanned every remembered id each engine step under the tracker lock (#27 row 8):
+    at 200 requests/s, 48,000 ids. They expire in the order they were added, so only the oldest
+    are looked at."""
+    t, clock, _ = tracker(timeout=1.0)  # remembered MEMORY_TIMEOUTS x 1 s
+    for i in range(1000):
+        clock.now = i * 0.001
+        t.drop(f"old-{i}")
+    t.drop("old-0")  # already remembered: keeps its place
+    visits = []  # one entry per remembered id looked at
+    released = t._released
+
+    class Visited(type(released)):
+        def _count(self, entries):
+            for entry in entries:
+                visits.append(entry)
+                yield entry
+
+        def __iter__(self):
+            return self._count(super().__iter__())
+
+        def items(self):
+            return self._count(super().items())
+
+        def values(self):
+            return self._count(super().values())
+
+    t._released = Visited(released)
+    clock.now = 2.0005  # old-0 (forget at 2.0) has expired; old-1 (2.001) not yet
+    t.take_finished()
+    assert "old-0" not in t._released and "old-1" in t._released
+    assert len(visits) <= 3  # looked at the oldest entries, not at all 1,000
+    clock.now = 2.9985  # old-998 forgotten at 2.998, old-999 at 2.999
+    t.take_finished()
+    assert set(t._released) == {"old-999"}
+
+
 def test_a_claim_before_prefill_is_done_waits_then_gets_the_block_ids() -> None:
     t, _, _ = tracker()
     assert t.claim("t", 0, num_prompt_tokens=70).status == "pending"

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,9 +105,11 @@ class SendTracker:
         self._news = threading.Condition(self._lock)  # a request may be finished now
         self._held: dict[str, _Held] = {}
         # transfer id -> (decode ranks that sent a notice, forget after, their decode TP or -1)
-        self._early: dict[str, tuple[set[int], float, int]] = {}
+        # Both remember entries in the order they were added, which is their order of expiry
+        # (each is forgotten a fixed time after it was added): expiring looks at the oldest only.
+        self._early: OrderedDict[str, tuple[set[int], float, int]] = OrderedDict()
         # transfer id -> (vLLM request id, forget after); "" for a dropped request
-        self._released: dict[str, tuple[str, float]] = {}
+        self._released: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._finished: set[str] = set()
         self.num_expired = 0
         self._expired_reported = 0
@@ -339,6 +342,7 @@ class SendTracker:
         """Report the request finished (caller holds the lock) and refuse later claims."""
         self._finished.add(request_id)
         self._news.notify_all()
+        self._released.pop(transfer_id, None)  # re-added at the end: the order stays expiry order
         self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
 
     def suspend(self, reason: str, timeout_s: float) -> None:
@@ -391,9 +395,8 @@ class SendTracker:
                         sorted(held.readers_left),
                     )
             for memory in (self._early, self._released):
-                for transfer_id, remembered in list(memory.items()):
-                    if remembered[1] <= now:  # (..., forget after, ...)
-                        del memory[transfer_id]
+                while memory and next(iter(memory.values()))[1] <= now:  # (..., forget after, ...)
+                    memory.popitem(last=False)
             finished, self._finished = self._finished, set()
         return finished
 
