@@ -853,6 +853,10 @@ def test_a_quarantined_staging_area_fails_later_pulls_instead_of_hanging_them() 
     try:
         d.transport.fail_reads(1, unsettled=True)
         c.pull("quarantined", [1], [1], ranks=[0])
+        deadline = time.monotonic() + 10
+        while d.receiver._staging.num_quarantined < 1:
+            assert time.monotonic() < deadline, "the unsettled read was never quarantined"
+            time.sleep(0.01)
         c.pull("waits", [2], [2], ranks=[0])
         c.pull("cancelled", [3], [3], ranks=[0])
         time.sleep(0.2)

@@ -315,3 +315,45 @@ def test_a_client_keeps_a_bounded_number_of_sockets_however_many_peers_it_met() 
     finally:
         client.close()
         server.close()
+
+
+def test_a_wake_for_one_key_handles_only_the_requests_parked_for_it() -> None:
+    """Every hold woke every parked claim, which the handler then ran again (#27 row 8: 1,600
+    parked claims cost ms of GIL-holding work per hold); a keyed wake re-runs only its own."""
+    handled: list[str] = []
+    ready: set[str] = set()
+
+    def handler(message):
+        if isinstance(message, ClaimRead):
+            handled.append(message.request_id)
+            if message.request_id in ready:
+                return ClaimReply("granted", 1.0)
+            return Park(time.monotonic() + 30, ClaimReply("pending"), key=message.request_id)
+        return Ack()
+
+    port = free_port_range(1)
+    server = SideChannelServer("127.0.0.1", port, handler)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(f"tcp://127.0.0.1:{port}")
+        for i in range(50):
+            raw.send_multipart([b"", encode(ClaimRead(f"t-{i}", 0, "i", wait_s=30))])
+        deadline = time.monotonic() + 10
+        while len(handled) < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(handled) == 50 and not raw.poll(0)  # all parked
+        ready.add("t-7")
+        server.wake("t-7")
+        assert raw.poll(5000)
+        reply = decode(raw.recv_multipart()[1])
+        assert isinstance(reply, ClaimReply) and reply.status == "granted"
+        assert handled[50:] == ["t-7"]  # the other 49 were not handled again
+        server.wake()  # a wake for all handles every parked one again
+        deadline = time.monotonic() + 10
+        while len(handled) < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(handled[51:]) == sorted(f"t-{i}" for i in range(50) if i != 7)
+    finally:
+        raw.close()
+        server.close()

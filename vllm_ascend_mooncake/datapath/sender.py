@@ -114,8 +114,9 @@ class SendTracker:
         self.num_expired = 0
         self._expired_reported = 0
         self.num_ignored_notices = 0
-        #: Called (outside the lock) after a hold or a drop, so parked claims are answered.
-        self.on_change: Callable[[], None] | None = None
+        #: Called (outside the lock) after a hold or a drop of a transfer (its id), or with None
+        #: when every parked claim may be answered differently, so parked claims are answered.
+        self.on_change: Callable[[str | None], None] | None = None
         #: why claims are refused while vLLM's sleep mode has the KV cache (None: awake)
         self._suspended: str | None = None
 
@@ -134,7 +135,7 @@ class SendTracker:
         """Start holding a request's blocks until its readers are done (or time runs out)."""
         self._hold(transfer_id, request_id, tuple(block_ids), num_prompt_tokens)
         if self.on_change is not None:
-            self.on_change()
+            self.on_change(transfer_id)
 
     def _hold(
         self,
@@ -231,7 +232,7 @@ class SendTracker:
                 forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
                 self._released.setdefault(transfer_id, ("", forget))
         if self.on_change is not None:
-            self.on_change()
+            self.on_change(transfer_id)
 
     def claim(
         self,
@@ -372,7 +373,7 @@ class SendTracker:
                     sorted(held.readers_left),
                 )
         if self.on_change is not None:
-            self.on_change()  # parked claims are answered (refused) now
+            self.on_change(None)  # every parked claim is answered (refused) now
 
     def resume(self) -> None:
         """Serve claims again (after vLLM's wake-up)."""
@@ -465,7 +466,7 @@ class PrefillSender:
             if reply.status == "pending" and message.wait_s > 0:
                 # Answer when prefill registers the request (a hold wakes the server), not later.
                 wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
-                return Park(time.monotonic() + wait_s, reply)
+                return Park(time.monotonic() + wait_s, reply, key=message.request_id)
             return reply
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)

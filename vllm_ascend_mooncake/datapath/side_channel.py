@@ -87,6 +87,8 @@ class Park:
 
     deadline: float
     reply_at_deadline: Message
+    #: what it waits for: a wake naming this key (or naming none) handles it again
+    key: str = ""
 
 
 Handler = Callable[[Message], "Message | Park"]
@@ -138,12 +140,14 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def wake(self) -> None:
-        """Ask the handler again about every parked request (thread-safe, cheap)."""
+    def wake(self, key: str | None = None) -> None:
+        """Ask the handler again about the parked requests waiting for ``key`` (all of them
+        when None); thread-safe and cheap, so a hold does not re-run every parked claim."""
         with self._wake_lock:
             if not self._stop.is_set():
-                with contextlib.suppress(zmq.Again):  # wakes are queued already: one is enough
-                    self._wake_out.send(b"", zmq.NOBLOCK)
+                # A full queue loses this wake: its claims are answered at their park deadline.
+                with contextlib.suppress(zmq.Again):
+                    self._wake_out.send(b"*" if key is None else b"=" + key.encode(), zmq.NOBLOCK)
 
     def _answer(self, identity: bytes, message: Message, parked: Park | None = None) -> None:
         try:
@@ -190,13 +194,16 @@ class SideChannelServer:
                 soonest = min(park.deadline for _, _, park in self._parked)
                 timeout_ms = max(0, min(timeout_ms, int((soonest - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(timeout_ms))
+            keys: set[str] | None = set()  # None: every parked request
             if self._wake_in in events:
                 while self._wake_in.poll(0):
-                    self._wake_in.recv()
-            if self._parked and (self._wake_in in events or timeout_ms < _POLL_MS):
-                parked, self._parked = self._parked, []
-                for identity, message, park in parked:
-                    self._answer(identity, message, park)
+                    wake = self._wake_in.recv()
+                    if wake == b"*" or keys is None:
+                        keys = None
+                    else:
+                        keys.add(wake[1:].decode())
+            if self._parked and (keys is None or keys or timeout_ms < _POLL_MS):
+                self._answer_parked(keys)
             if self._socket not in events:
                 continue
             try:
@@ -205,6 +212,17 @@ class SideChannelServer:
                 logger.exception("side channel %s:%d dropped a message it failed on", *self.address)
         self._socket.close()
         self._wake_in.close()
+
+    def _answer_parked(self, keys: set[str] | None) -> None:
+        """Handle again the parked requests waiting for ``keys`` (all: None) and those whose
+        deadline passed; the others stay parked untouched."""
+        now = time.monotonic()
+        parked, self._parked = self._parked, []
+        for identity, message, park in parked:
+            if keys is None or park.key in keys or park.deadline <= now:
+                self._answer(identity, message, park)
+            else:
+                self._parked.append((identity, message, park))
 
     def _receive_one(self) -> None:
         frames = self._socket.recv_multipart()
