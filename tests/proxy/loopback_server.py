@@ -84,3 +84,53 @@ def black_hole() -> Iterator[str]:
     finally:
         filler.close()
         listener.close()
+
+
+@contextmanager
+def one_request_per_connection() -> Iterator[str]:
+    """Yield the URL of a server that answers ``GET /health`` with 200 and keep-alive, then
+    closes the connection without an answer if a second request comes on it: what a server
+    closing an idle keep-alive connection does to a client that reuses it at that moment."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+
+    def serve(connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(10)
+            requests = 0
+            buffered = b""
+            while not stop.is_set():
+                try:
+                    data = connection.recv(4096)
+                except OSError:
+                    return
+                if not data:
+                    return
+                buffered += data
+                while b"\r\n\r\n" in buffered:
+                    _, buffered = buffered.split(b"\r\n\r\n", 1)
+                    requests += 1
+                    if requests > 1:
+                        return  # closed without an answer
+                    connection.sendall(answer)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(connection,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()

@@ -543,3 +543,28 @@ def test_health_checks_stop_with_the_proxy(
     time.sleep(0.5)  # ten intervals
 
     assert decode[0].health_checks == probes_after_shutdown
+
+
+def test_a_keep_alive_connection_closed_at_reuse_does_not_fail_a_health_check() -> None:
+    """A healthy decode was ejected twice within 10 s while it served requests ("health check:
+    RemoteProtocolError: Server disconnected without sending a response", #27): the server had
+    closed the pooled connection just as the probe reused it. One retry on a new connection."""
+    import asyncio
+
+    from loopback_server import one_request_per_connection
+
+    from vllm_ascend_mooncake.proxy.health import HealthChecker, UpstreamOutcomes
+    from vllm_ascend_mooncake.proxy.metrics import ProxyMetrics
+
+    async def probe_three_times(url: str) -> Balancer:
+        balancer = Balancer("decode", [url], EjectionPolicy(failure_threshold=1))
+        async with httpx.AsyncClient() as client:
+            checker = HealthChecker(client, [balancer], UpstreamOutcomes(ProxyMetrics([balancer])))
+            for _ in range(3):  # the 2nd and 3rd reuse the pooled connection
+                await checker.check_all()
+                assert balancer.upstreams[0].consecutive_failures == 0
+        return balancer
+
+    with one_request_per_connection() as url:
+        balancer = asyncio.run(probe_three_times(url))
+    assert balancer.state(balancer.upstreams[0]) is CircuitState.HEALTHY

@@ -142,9 +142,19 @@ class HealthChecker:
         )
 
     async def probe(self, balancer: Balancer, upstream: Upstream) -> None:
-        """Ask one instance's ``/health``: healthy only if it answers 200 within the timeout."""
+        """Ask one instance's ``/health``: healthy only if it answers 200 within the timeout.
+
+        A connection that breaks without an answer is asked again once on a new connection:
+        a server closing an idle keep-alive connection just as the probe reuses it ("Server
+        disconnected without sending a response") says nothing about the instance. A timeout
+        or a refused connection counts at once."""
+        url = f"{upstream.url}/health"
         try:
-            response = await self.client.get(f"{upstream.url}/health", timeout=self.timeout_s)
+            try:
+                response = await self.client.get(url, timeout=self.timeout_s)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                async with httpx.AsyncClient() as fresh:
+                    response = await fresh.get(url, timeout=self.timeout_s)
         except httpx.HTTPError as error:
             self.outcomes.failed(balancer, upstream, f"health check: {describe_error(error)}")
             return
