@@ -101,7 +101,7 @@ def test_a_refusal_is_not_repeated(client, caplog) -> None:
 
 def test_notices_to_one_peer_keep_their_order(client) -> None:
     prefill = Prefill()
-    notifier = ReadDoneNotifier(client, threads=4, attempts=4, backoff_s=0.2)
+    notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.2)
     ids = [f"r{i}" for i in range(8)]
     try:
         for request_id in ids:
@@ -110,6 +110,47 @@ def test_notices_to_one_peer_keep_their_order(client) -> None:
         prefill.start()
         wait_for(lambda: len(prefill.received) == len(ids))
         assert prefill.received == ids
+    finally:
+        notifier.shutdown()
+        prefill.close()
+
+
+def test_dead_peers_never_delay_a_healthy_peers_notice(client) -> None:
+    """A TP 4 prefill died with 8 reads in flight each (#27 row 3): its 32 notices, each worth
+    4 attempts of a timeout plus back-off, occupied every notifier thread, and the healthy
+    prefill heard of its read only after them (46 s each at the defaults). Each peer has its own
+    lane now: the healthy notice is delivered at once (the bound below is a fraction of one dead
+    notice's cost, not a measurement)."""
+    healthy, dead = Prefill(), [Prefill() for _ in range(4)]  # the dead never start
+    healthy.start()
+    notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.1)
+    try:
+        for i in range(8):
+            for peer in dead:
+                notifier.send("127.0.0.1", peer.port, 0, done(f"dead-{i}"))
+        started = time.monotonic()
+        notifier.send("127.0.0.1", healthy.port, 0, done("healthy"))
+        wait_for(lambda: healthy.received == ["healthy"])
+        assert time.monotonic() - started < 4 * CLIENT_TIMEOUT_S
+    finally:
+        notifier.shutdown()
+        healthy.close()
+
+
+def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(client) -> None:
+    prefill = Prefill()
+    notifier = ReadDoneNotifier(client, attempts=3, backoff_s=0.05)
+    try:
+        started = time.monotonic()
+        for i in range(5):
+            notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
+        # 3 attempts for the first notice, then 1 for each of the other 4: about 7 timeouts
+        # (15 with every notice tried 3 times).
+        wait_for(lambda: not notifier._lanes, timeout_s=30)
+        assert time.monotonic() - started < 11 * CLIENT_TIMEOUT_S
+        prefill.start()
+        notifier.send("127.0.0.1", prefill.port, 0, done("r5"))
+        wait_for(lambda: prefill.received == ["r5"])
     finally:
         notifier.shutdown()
         prefill.close()

@@ -6,58 +6,88 @@ every request and, when the peer is slow to answer, hold up the next reads queue
 the notice would strand the prefill's blocks until their release deadline. So notices go out on
 their own threads, in order per peer, and are sent again while the peer does not answer. A peer
 that answers with an error (it restarted, or no longer knows the request) is not asked again.
+
+Each peer has its own lane and thread (started when it has notices, ended when it has none), so
+a dead or frozen prefill delays only its own notices, never a healthy prefill's (which would then
+free its blocks only at their deadline). A peer that left every attempt of a notice unanswered
+gets one attempt per notice until it answers again: its backlog drains at one timeout a notice.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 
 from ..log import get_logger
-from .lanes import FifoLane
 from .side_channel import PeerRefused, SideChannelClient
 from .wire import ReadDone
 
 logger = get_logger(__name__)
+
+_Peer = tuple[str, int]
 
 
 class ReadDoneNotifier:
     """Sends :class:`ReadDone` messages to prefill side channels, retrying silent peers."""
 
     def __init__(
-        self,
-        client: SideChannelClient,
-        threads: int = 2,
-        attempts: int = 4,
-        backoff_s: float = 1.0,
-        per_turn: int = 4,
+        self, client: SideChannelClient, attempts: int = 4, backoff_s: float = 1.0
     ) -> None:
         self._client = client
         self._attempts = max(1, attempts)
         self._backoff_s = backoff_s
-        self._per_turn = per_turn
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vam-notify")
-        self._lanes: dict[tuple[str, int], FifoLane] = {}
+        self._lock = threading.Lock()
+        self._lanes: dict[_Peer, deque[tuple[int, ReadDone]]] = {}  # peers with notices queued
+        self._silent: set[_Peer] = set()  # left a notice's every attempt unanswered
+        self._stopped = False
 
     def send(self, host: str, port: int, prefill_rank: int, message: ReadDone) -> None:
         """Queue ``message`` for the side channel at ``host:port``; returns at once."""
-        key = (host, port)
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes.setdefault(key, FifoLane(self._pool, self._deliver, self._per_turn))
-        lane.push((host, port, prefill_rank, message))
+        peer = (host, port)
+        with self._lock:
+            if self._stopped:
+                return
+            lane = self._lanes.get(peer)
+            if lane is not None:  # its thread is draining it
+                lane.append((prefill_rank, message))
+                return
+            self._lanes[peer] = deque([(prefill_rank, message)])
+        threading.Thread(
+            target=self._drain, args=(peer,), name=f"vam-notify-{port}", daemon=True
+        ).start()
 
-    def _deliver(self, host: str, port: int, prefill_rank: int, message: ReadDone) -> None:
+    def _drain(self, peer: _Peer) -> None:
+        while True:
+            with self._lock:
+                lane = self._lanes[peer]
+                if not lane or self._stopped:
+                    del self._lanes[peer]
+                    return
+                prefill_rank, message = lane.popleft()
+                attempts = 1 if peer in self._silent else self._attempts
+            answered = self._deliver(*peer, prefill_rank, message, attempts)
+            with self._lock:
+                if answered:
+                    self._silent.discard(peer)
+                else:
+                    self._silent.add(peer)
+
+    def _deliver(
+        self, host: str, port: int, prefill_rank: int, message: ReadDone, attempts: int
+    ) -> bool:
+        """Send one notice; whether the peer answered at all (an error is an answer)."""
         error: Exception | None = None
-        for attempt in range(1, self._attempts + 1):
+        answered = False
+        for attempt in range(1, attempts + 1):
             try:
                 self._client.request(host, port, message)
             except PeerRefused as exc:
-                error = exc
+                error, answered = exc, True
                 break
             except Exception as exc:
                 error = exc
-                if attempt < self._attempts:
+                if attempt < attempts:
                     time.sleep(self._backoff_s * attempt)
                 continue
             if attempt > 1:
@@ -69,7 +99,7 @@ class ReadDoneNotifier:
                     message.request_id,
                     attempt,
                 )
-            return
+            return True
         logger.warning(
             "could not tell prefill rank %d (%s:%d) that request %s was read (%s); it will "
             "release the blocks at its deadline",
@@ -79,7 +109,9 @@ class ReadDoneNotifier:
             message.request_id,
             error,
         )
+        return answered
 
     def shutdown(self) -> None:
         """Stop; notices not yet delivered are dropped (the prefill frees at its deadline)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._stopped = True

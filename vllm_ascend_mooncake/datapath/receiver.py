@@ -255,10 +255,8 @@ class Receiver:
         self._lanes: dict[str, FifoLane] = {}  # by prefill transport session
         self._notifier = ReadDoneNotifier(
             client,
-            threads=self._options.num_threads,
             attempts=self._options.notify_attempts,
             backoff_s=self._options.notify_backoff_s,
-            per_turn=self._options.requests_per_turn,
         )
         self._queue: queue.Queue[tuple[PullOrder, PullTimeline] | None] = queue.Queue()
         self._lock = threading.Lock()
