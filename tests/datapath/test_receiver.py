@@ -868,3 +868,24 @@ def test_a_quarantined_staging_area_fails_later_pulls_instead_of_hanging_them() 
         assert "quarantined" not in d.done | set(d.failed)  # never reported: bytes may land
     finally:
         c.close()  # returns: no planning thread is left waiting for an area
+
+
+def test_a_pull_whose_kv_is_held_never_waits_behind_early_pulls() -> None:
+    """Early pulls wait for prefill up to prefill_wait_s (#27 row 4); when they filled every
+    planning thread, a pull whose KV was held already waited behind them (2.8 s of a 3 s
+    prefill_wait_s in the repro). The bound is half of prefill_wait_s, not a measurement."""
+    options = dataclasses.replace(FAST, num_threads=1, prefill_wait_s=6.0)  # 4 planning threads
+    c = Cluster(4, prefill_tp=1, decode_tp=1, options=options)
+    (d,) = c.decode
+    try:
+        for i in range(8):  # prefill is still computing these
+            d.receiver.submit(c.order(f"long{i}", [i], [i], early=True))
+        time.sleep(0.2)
+        started = time.monotonic()
+        c.pull("ready", [10, 11], [9, 10])
+        d.wait(["ready"], timeout_s=10)
+        assert "ready" in d.done
+        assert time.monotonic() - started < options.prefill_wait_s / 2
+        d.check_blocks(c.ref, [10, 11], [9, 10])
+    finally:
+        c.close()

@@ -247,10 +247,15 @@ class Receiver:
         self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
         # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
         # so that it can neither block the reads that free staging buffers nor queue behind a
-        # dead peer's timeouts on one thread. Pulls admitted before their prefill finished wait
-        # there for its lease (mostly asleep), hence more threads than for reads.
+        # dead peer's timeouts on one thread, hence more threads than for reads.
         self._prepare_pool = ThreadPoolExecutor(
             4 * self._options.num_threads, thread_name_prefix="vam-prepare"
+        )
+        # Early pulls (admitted before prefill finished) wait for their grant up to
+        # prefill_wait_s: they plan on threads of their own, so a pull whose KV is held already
+        # never queues behind them.
+        self._early_pool = ThreadPoolExecutor(
+            4 * self._options.num_threads, thread_name_prefix="vam-early"
         )
         self._lanes: dict[str, FifoLane] = {}  # by prefill transport session
         self._notifier = ReadDoneNotifier(
@@ -357,6 +362,7 @@ class Receiver:
         self._queue.put(None)
         self._dispatcher.join(timeout=5)
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
+        self._early_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._notifier.shutdown()
 
@@ -364,7 +370,9 @@ class Receiver:
 
     def _dispatch(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._prepare_pool.submit(self._prepare, *item)
+            pull, _ = item
+            pool = self._early_pool if pull.early else self._prepare_pool
+            pool.submit(self._prepare, *item)
 
     def _prepare(self, pull: PullOrder, timeline: PullTimeline) -> None:
         peers: dict[int, _Peer] = {}
