@@ -48,6 +48,10 @@ DEFAULT_CLAIM_PARK_S = 1.0
 #: forward. A transfer that ends wakes the wait at once; a request arriving meanwhile waits for
 #: the step to end, so this bounds that delay too.
 DEFAULT_IDLE_STEP_WAIT_MS = 10.0
+#: After a read from a prefill never settled (a frozen peer), decode fails further reads from
+#: that prefill at once for this long (its circuit is open), then tries one again: the pulls
+#: queued for it end at once instead of each costing the read's timeouts and a quarantine.
+PEER_COOLDOWN_S = 10.0
 #: Before vLLM's sleep mode discards the KV cache, the longest a decode worker waits for its reads
 #: under way to settle (Mooncake's own transfer timeout, ``MC_TRANSFER_TIMEOUT``, is 30 s).
 SLEEP_DRAIN_S = 30.0

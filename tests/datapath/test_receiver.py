@@ -492,7 +492,9 @@ def test_a_transient_read_failure_is_retried_and_the_pull_succeeds(cluster) -> N
 
 
 def test_an_unsettled_read_is_never_reported_nor_retried(cluster) -> None:
-    c = cluster(4, prefill_tp=1, decode_tp=1)
+    """...and, the peer looking frozen, its next reads fail at once for peer_cooldown_s (they
+    would hang as long and be quarantined too); then it is read again."""
+    c = cluster(4, prefill_tp=1, decode_tp=1, options=dataclasses.replace(FAST, peer_cooldown_s=1))
     (decode,), (prefill,) = c.decode, c.prefill
     decode.transport.fail_reads(1, unsettled=True)
     c.pull("r1", [1], [2])
@@ -504,9 +506,14 @@ def test_an_unsettled_read_is_never_reported_nor_retried(cluster) -> None:
     time.sleep(0.2)
     assert decode.receiver.take_finished() == (set(), {})  # vLLM keeps its blocks
     assert decode.transport.num_reads == 1 and decode.transport.num_failed_reads == 1
-    c.pull("r2", [3], [4])  # the receiver goes on with other requests
+    c.pull("r2", [5], [6])  # within the cool-down: failed at once, reported, not read
     decode.wait(["r2"])
-    assert decode.done == {"r2"} and not decode.failed
+    assert "circuit is open" in decode.failed["r2"].reason
+    assert decode.transport.num_reads == 1
+    time.sleep(1.0)
+    c.pull("r3", [3], [4])  # the receiver goes on with other requests
+    decode.wait(["r3"])
+    assert decode.done == {"r3"}
     decode.check_blocks(c.ref, [3], [4])
 
 

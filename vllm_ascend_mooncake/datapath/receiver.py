@@ -50,6 +50,7 @@ from ..defaults import (
     DEFAULT_PREFILL_WAIT_S,
     DEFAULT_READ_RETRIES,
     DEFAULT_RECEIVER_THREADS,
+    PEER_COOLDOWN_S,
 )
 from ..log import get_logger
 from ..timeline import PullTimeline
@@ -83,6 +84,8 @@ class ReceiverOptions:
     claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
     # prefill may hold a pending claim's reply this long (long poll)
     claim_park_s: float = DEFAULT_CLAIM_PARK_S
+    #: how long reads from a prefill that left a read unsettled fail at once (circuit open)
+    peer_cooldown_s: float = PEER_COOLDOWN_S
     claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
     # extra attempts for a failed batch read (transient transport errors)
     read_retries: int = DEFAULT_READ_RETRIES
@@ -276,6 +279,8 @@ class Receiver:
         # it and have not sent their read-done notice: only the last one sends it, so a second
         # pull of one transfer (a router retrying the decode leg) never reads released blocks.
         self._readers: dict[tuple[str, str, int], int] = {}
+        #: prefill transport session -> until when its reads fail at once (PEER_COOLDOWN_S)
+        self._open_circuits: dict[str, float] = {}
         #: why pulls fail at once while vLLM's sleep mode has the KV cache (None: awake)
         self._suspended: str | None = None
         self._dispatcher = threading.Thread(
@@ -557,8 +562,15 @@ class Receiver:
         if state.failure is None and peer_plan.batches:
             try:
                 self._read_leased(state.pull, peer, peer_plan)
+                with self._lock:
+                    self._open_circuits.pop(peer.transport_session, None)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = str(exc)
+                if isinstance(exc, UnsettledTransfer):  # frozen: others would hang as long
+                    with self._lock:
+                        self._open_circuits[peer.transport_session] = (
+                            time.monotonic() + self._options.peer_cooldown_s
+                        )
                 if isinstance(exc, UnsettledTransfer):
                     state.quarantined = True
                 if isinstance(exc, PullCancelled):  # renewing a lease that waited in the queue
@@ -581,8 +593,20 @@ class Receiver:
             state.timeline.landed = time.monotonic()
             self._complete(state)
 
+    def _check_circuit(self, session: str) -> None:
+        """Fail at once while ``session``'s circuit is open (a read from it never settled)."""
+        with self._lock:
+            until = self._open_circuits.get(session)
+        left = until - time.monotonic() if until is not None else 0.0
+        if left > 0:
+            raise RuntimeError(
+                f"a read from prefill transport {session} never settled lately (a frozen peer?); "
+                f"it is not read again for {left:.1f} s (its circuit is open)"
+            )
+
     def _read_leased(self, pull: PullOrder, peer: _Peer, peer_plan: PeerPlan) -> None:
         """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
+        self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
             self._claim(pull, peer)  # waited long in the queue: renew before reading
         for batch in peer_plan.batches:
