@@ -1,0 +1,148 @@
+"""A prefill -> decode hand-off between two real vLLM schedulers in one process.
+
+Two ``vllm.v1.core.sched.scheduler.Scheduler``s, each with our connector built by vLLM's factory
+(prefill: kv_producer, decode: kv_consumer), joined the way the proxy joins them: the proxy's own
+``payloads`` functions build the prefill leg, read ``kv_transfer_params`` from prefill's (JSON)
+response and build the decode leg. The only fake is the workers: each step's ``KVConnectorOutput``
+is written by the test as our worker sides report (decode: ``finished_recving`` once its pull
+landed, with ``invalid_block_ids`` if it failed; prefill: ``finished_sending`` once decode has
+read). Every test ends with both schedulers empty and their block pools back to their initial
+free counts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from vllm_ascend_mooncake.proxy import payloads
+from vllm_ascend_mooncake.testing.vllm_scheduler import (
+    SIDE_CHANNEL_PORT,
+    Instance,
+    prompt_tokens,
+)
+
+CLIENT = {"model": "tiny", "prompt": "ignored: the schedulers take token ids", "max_tokens": 4}
+
+
+def response(kv_transfer_params: dict | None) -> bytes:
+    """Prefill's HTTP response body, as the proxy receives it."""
+    return json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": kv_transfer_params})
+
+
+def run_prefill(p: Instance, request_id: str, prompt: list[int], body: dict) -> dict:
+    """Serve the prefill leg ``body`` on ``p``; the kv_transfer_params of its response."""
+    p.request(request_id, prompt, params=body["kv_transfer_params"], max_tokens=body["max_tokens"])
+    step = p.step()
+    done = step.finished(request_id)
+    assert done is not None and done.finish_reason == FinishReason.LENGTH
+    params = payloads.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
+    assert params is not None
+    return params
+
+
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,prefill_block,decode_block",
+    [(1, 1, 16, 16), (2, 1, 16, 16), (1, 2, 16, 16), (2, 1, 32, 16), (1, 1, 16, 32)],
+    ids=["tp1-tp1", "tp2-tp1", "tp1-tp2", "tp2-tp1-blocks32-16", "blocks16-32"],
+)
+def test_prefill_params_drive_the_decode_pull(
+    prefill_tp: int, decode_tp: int, prefill_block: int, decode_block: int
+) -> None:
+    sizes = {"prefill_tp": prefill_tp, "decode_tp": decode_tp}
+    p = Instance("kv_producer", tensor_parallel_size=prefill_tp, block_size=prefill_block, **sizes)
+    d = Instance("kv_consumer", tensor_parallel_size=decode_tp, block_size=decode_block, **sizes)
+    prompt = prompt_tokens("handoff", 72)
+
+    params = run_prefill(p, "cmpl-1-p", prompt, payloads.prefill_body(CLIENT))
+    prefill_blocks = p.block_ids("cmpl-1-p")
+    (hold,) = p.step().orders.holds
+    assert hold.block_ids == tuple(prefill_blocks)
+
+    body = payloads.decode_body(CLIENT, params)
+    req = d.request("cmpl-1-d", prompt, params=body["kv_transfer_params"], max_tokens=4)
+    step = d.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (pull,) = step.orders.pulls
+    assert pull.transfer_id == hold.transfer_id == "cmpl-1-p"
+    assert pull.remote_block_ids == hold.block_ids
+    assert pull.remote_engine_id == p.engine_id and pull.remote_port == SIDE_CHANNEL_PORT
+    assert pull.remote_tp_size == prefill_tp
+    assert pull.local_block_ids == tuple(d.block_ids("cmpl-1-d"))
+    assert len(pull.local_block_ids) == -(-72 // decode_block)
+
+    # Decode's workers read, tell prefill's, and each side reports.
+    d.step(finished_recving={"cmpl-1-d"})
+    p.step(finished_sending={"cmpl-1-p"})
+    p.assert_empty()
+    step = d.step()
+    assert step.scheduled == {"cmpl-1-d": 1}
+    while step.finished("cmpl-1-d") is None:
+        step = d.step()
+    d.assert_empty()
+
+
+def test_overlapped_legs_meet_under_the_proxys_transfer_id() -> None:
+    """The proxy knows prefill's address from an earlier answer and sends both legs at once:
+    decode is admitted before prefill answered and pulls without block ids; prefill holds the
+    KV under the transfer id decode claims."""
+    p = Instance("kv_producer")
+    d = Instance("kv_consumer")
+    earlier = run_prefill(
+        p, "cmpl-0-p", prompt_tokens("earlier", 20), payloads.prefill_body(CLIENT)
+    )
+    p.step(finished_sending={"cmpl-0-p"})
+    address = payloads.prefill_address(earlier)
+    assert address is not None
+
+    prompt = prompt_tokens("overlapped", 40)
+    decode_params = payloads.overlapped_decode_params(address, "xfer-2")
+    req = d.request("cmpl-2-d", prompt, params=decode_params, max_tokens=2)
+    (pull,) = d.step().orders.pulls
+    assert pull.early and pull.transfer_id == "xfer-2"
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    params = run_prefill(p, "cmpl-2-p", prompt, payloads.overlapped_prefill_body(CLIENT, "xfer-2"))
+    assert params["remote_request_id"] == "xfer-2"
+    (hold,) = p.step().orders.holds
+    assert (hold.request_id, hold.transfer_id) == ("cmpl-2-p", "xfer-2")
+
+    d.step(finished_recving={"cmpl-2-d"})
+    p.step(finished_sending={"cmpl-2-p"})
+    while not req.is_finished():
+        d.step()
+    p.assert_empty()
+    d.assert_empty()
+
+
+def test_a_prefill_aborted_under_overlapped_legs_makes_decode_recompute() -> None:
+    """Prefill's request is aborted after decode was admitted: prefill drops the transfer, the
+    decode worker's pull is refused and reported failed, and decode recomputes the prompt."""
+    p = Instance("kv_producer", max_num_batched_tokens=32)
+    d = Instance("kv_consumer", kv_load_failure_policy="recompute")
+    address = {
+        "remote_engine_id": p.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": SIDE_CHANNEL_PORT,
+        "remote_tp_size": 1,
+    }
+    prompt = prompt_tokens("aborted", 64)
+    req = d.request("cmpl-3-d", prompt, params=payloads.overlapped_decode_params(address, "xfer-3"))
+    (pull,) = d.step().orders.pulls
+
+    body = payloads.overlapped_prefill_body(CLIENT, "xfer-3")
+    p.request("cmpl-3-p", prompt, params=body["kv_transfer_params"], max_tokens=1)
+    p.step()  # its first chunk
+    p.abort("cmpl-3-p")
+    assert p.step().orders.drops == ["xfer-3"]
+    p.assert_empty()
+
+    d.step(finished_recving={"cmpl-3-d"}, invalid_block_ids=set(pull.local_block_ids))
+    step = d.step()
+    assert step.scheduled == {"cmpl-3-d": 64} and not step.orders.pulls
+    while not req.is_finished():
+        d.step()
+    d.assert_empty()
