@@ -76,3 +76,60 @@ def test_a_packing_that_does_not_account_for_the_bytes_is_dropped() -> None:
     identity = ModelIdentity("tiny", "bfloat16", "auto", 32, 64, 2, 1, False, "CPU_ATTN/vec")
     memory = worker(False, 2, 64, 32)._describe(views, identity)
     assert memory.regions[0].layout.packing == ()
+
+
+def carved_views(heads: int, block_size: int, dtype, layout_name: str = "LBHNC"):
+    """Two layers' views carved from one allocation exactly as vLLM 0.32's allocator does
+    (``create_kv_cache_views``), for a rank holding ``heads`` KV heads of size 64."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=64, dtype=dtype)
+    page, blocks, layers = spec.page_size_bytes, 4, 2
+    strides = (page * blocks, page) if layout.is_layer_compact else (page, page * layers)
+    raw = torch.zeros(page * blocks * layers, dtype=torch.int8)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    tensor = KVCacheTensor(raw.numel(), names, *strides)
+    return dict(zip(names, create_kv_cache_views(raw, spec, blocks, layout, tensor), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize(
+    ("tp", "block_size"), [(1, 32), (2, 64), (4, 32), (1, 128)], ids=["tp1", "tp2", "tp4", "big"]
+)
+def test_views_vllm_carves_at_every_tp_keep_the_vec_packing(tp, block_size, layout_name, dtype):
+    """Issue #26 item 2: the tiny model's 4 KV heads at TP 1, 2 and 4 (4, 2 and 1 per rank), as
+    vLLM 0.32 carves them (``[blocks, heads, tokens, 128]``, any block stride): the vec packing
+    accounts for every byte of each chunk, so blocks can be cut by token at every TP."""
+    heads = 4 // tp
+    views = carved_views(heads, block_size, dtype, layout_name)
+    element = torch.empty((), dtype=dtype).element_size()
+    label = "float32" if dtype == torch.float32 else "bfloat16"
+    identity = ModelIdentity("tiny", label, "auto", block_size, 64, 4, 2, False, "CPU_ATTN/vec")
+    memory = worker(False, heads, 64, block_size)._describe(views, identity)
+    packing = chunk_packing("CPU_ATTN/vec", "auto", 64, element)
+    for region in memory.regions:
+        assert region.layout.block_order is BlockOrder.HEAD_MAJOR
+        assert region.layout.packing == packing != ()
+        assert region.layout.head_token_bytes == 2 * 64 * element
+
+
+def test_token_major_views_and_mismatched_layers_leave_the_packing_unknown(caplog) -> None:
+    """A packing only applies to head-major chunks: token-major views describe fine without one;
+    layers whose chunks differ leave it unknown, with a warning naming the geometry."""
+    identity = ModelIdentity("tiny", "float32", "auto", 64, 64, 4, 2, False, "CPU_ATTN/vec")
+    token_major = carved_views(2, 64, torch.float32, "LBNHC")
+    memory = worker(False, 2, 64, 64)._describe(token_major, identity)
+    assert memory.regions[0].layout.block_order is BlockOrder.TOKEN_MAJOR
+    assert memory.regions[0].layout.packing == ()
+    mixed = carved_views(2, 64, torch.float32)
+    wide = torch.zeros(4, 2, 64, 256)
+    mixed["model.layers.1.self_attn.attn"] = wide
+    with caplog.at_level("WARNING"):
+        from vllm_ascend_mooncake.connector.worker import _chunk_packing
+
+        assert _chunk_packing(identity, mixed) == ()
+    assert "512 B / 1024 B per head and token" in caplog.text
+    assert "treating its blocks as unsplittable" in caplog.text

@@ -12,6 +12,7 @@ from vllm_ascend_mooncake.core.layout import (
     describe_latent_tensor,
     describe_split_kv_tensor,
     describe_vllm_layer_view,
+    head_chunk_token_bytes,
 )
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE = 5, 2, 32, 64
@@ -165,3 +166,37 @@ def test_overlapping_blocks_are_refused() -> None:
 
     with pytest.raises(LayoutError, match="blocks overlap"):
         RegionLayout(BlockOrder.HEAD_MAJOR, 4, 100, 2, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("layout_name", "expected"), [("LBHNC", True), ("BLHNC", True), ("LBNHC", False)]
+)
+def test_chunk_bytes_per_token_come_from_shape_and_strides(layout_name, expected, dtype) -> None:
+    """What a (block, head) chunk holds per token, from vLLM's own views: K and V of the head
+    size for head-major chunks at any block stride (layer-compact or block-outermost), none for
+    token-major views (a head's bytes are not one chunk)."""
+    for view in vllm_views(layout_name, dtype=dtype):
+        held = head_chunk_token_bytes(
+            view.shape, view.stride(), view.element_size(), block_size=BLOCK
+        )
+        assert held == (2 * HEAD_SIZE * view.element_size() if expected else None)
+
+
+def test_chunk_bytes_per_token_follow_the_geometry_not_the_last_dimension() -> None:
+    """The same chunk seen as ``[heads, tokens, 2 * D]`` or ``[heads, 2 * tokens, D]`` holds the
+    same bytes per token; a single head needs no head stride; anything that is not one
+    contiguous run per (block, head) has no chunk."""
+    cache = torch.zeros(3, 2, 32, 128)
+    fused = head_chunk_token_bytes(cache.shape, cache.stride(), 4, block_size=32)
+    rows = cache.view(3, 2, 64, 64)
+    assert fused == head_chunk_token_bytes(rows.shape, rows.stride(), 4, block_size=32) == 512
+    one = cache[:, :1]
+    assert head_chunk_token_bytes(one.shape, one.stride(), 4, block_size=32) == 512
+    padded = torch.zeros(3, 2, 32, 256)[..., :128]  # strided rows
+    assert head_chunk_token_bytes(padded.shape, padded.stride(), 4, block_size=32) is None
+    halves = cache[..., ::2]  # strided content
+    assert head_chunk_token_bytes(halves.shape, halves.stride(), 4, block_size=32) is None
+    assert head_chunk_token_bytes(cache.shape, cache.stride(), 4, block_size=64) is None
+    five = torch.zeros(3, 2, 32, 2, 64)
+    assert head_chunk_token_bytes(five.shape, five.stride(), 4, block_size=32) is None

@@ -21,6 +21,7 @@ from vllm_ascend_mooncake.core.layout import (
     RegionLayout,
     check_pairable,
     effective_order,
+    packing_text,
 )
 from vllm_ascend_mooncake.core.plan import (
     PlanError,
@@ -332,6 +333,19 @@ def test_head_major_blocks_of_unknown_packing_and_different_sizes_are_refused() 
     with pytest.raises(LayoutError, match="packed differently"):
         plan(replace(decode, packing=packed), replace(prefill, packing=cpu_like_packing(8)))
     plan(replace(decode, packing=packed), replace(prefill, packing=packed))
+    # The refusal names both sides' values and what to change.
+    with pytest.raises(LayoutError) as refused:
+        check_pairable(replace(decode, packing=packed), prefill)
+    message = str(refused.value)
+    assert "prefill: unknown, 8 B per head and token" in message
+    assert f"decode: {packing_text(packed)}, 8 B" in message
+    assert "run both with the same --block-size (32 or 64)" in message
+    with pytest.raises(LayoutError, match="unknown on prefill and decode"):
+        check_pairable(decode, prefill)
+    with pytest.raises(LayoutError, match=r"same dtype, --kv-cache-dtype and attention kernel"):
+        check_pairable(
+            replace(decode, packing=packed), replace(prefill, packing=cpu_like_packing(8))
+        )
     # A packed single-head chunk is not token rows, so it does not pair with token-major blocks;
     # a single head of unknown packing does (both sides run one backend, a token-major one).
     token_major = RegionLayout(BlockOrder.TOKEN_MAJOR, 8, 2 * 64 * 8, 2, 64, 8)

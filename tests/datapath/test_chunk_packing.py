@@ -99,3 +99,64 @@ def test_vec_kernels_store_each_tokens_bytes_where_the_packing_says(isa) -> None
         cut = token_range(chunk, packing, block, t, 1)
         expected = torch.cat([key[t, 1], value[t, 1]]).view(torch.uint8)
         assert torch.equal(cut, expected)
+
+
+def test_prefill_tp1_chunks_cut_by_the_packing_are_decode_tp2_chunks() -> None:
+    """Issue #26 item 2, byte for byte: the kernel writes the same tokens into views carved as
+    vLLM 0.32 carves them for a TP 1 prefill (4 heads, 32-token blocks) and a TP 2 decode (2
+    heads per rank, 64-token blocks); the packing the worker states for each view cuts prefill's
+    heads ``2r, 2r + 1`` into exactly decode rank ``r``'s chunks."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm_ascend_mooncake.connector.worker import _chunk_packing
+    from vllm_ascend_mooncake.datapath.wire import ModelIdentity
+
+    head_size, tokens = 64, 128
+
+    def carve(heads: int, block: int) -> torch.Tensor:
+        spec = FullAttentionSpec(
+            block_size=block, num_kv_heads=heads, head_size=head_size, dtype=torch.float32
+        )
+        blocks = tokens // block
+        raw = torch.zeros(spec.page_size_bytes * blocks, dtype=torch.int8)
+        tensor = KVCacheTensor(
+            raw.numel(), ["l0"], spec.page_size_bytes * blocks, spec.page_size_bytes
+        )
+        return create_kv_cache_views(raw, spec, blocks, KVCacheLayout.LBHNC, tensor)[0]
+
+    def write(view: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        blocks, heads, block, _ = view.shape
+        key_cache, value_cache = view.view(blocks, heads, 2 * block, -1).chunk(2, dim=2)
+        slots = torch.arange(tokens, dtype=torch.int64)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, "vec")
+
+    torch.manual_seed(0)
+    key = torch.randn(tokens, 4, head_size)
+    value = torch.randn(tokens, 4, head_size)
+    prefill = carve(4, 32)
+    write(prefill, key, value)
+    packings = {}
+    for block in (32, 64):
+        identity = ModelIdentity(
+            "t", "float32", "auto", block, head_size, 4, 1, False, "CPU_ATTN/vec"
+        )
+        probe = carve(4 if block == 32 else 2, block)
+        packings[block] = _chunk_packing(identity, {"l0": probe})
+    assert packings[32] == packings[64] == chunk_packing("CPU_ATTN/vec", "auto", head_size, 4)
+    packing = packings[64]
+    prefill_bytes = prefill.view(torch.uint8).reshape(prefill.shape[0], 4, -1)
+    for rank in range(2):
+        decode = carve(2, 64)
+        write(decode, key[:, 2 * rank : 2 * rank + 2], value[:, 2 * rank : 2 * rank + 2])
+        decode_bytes = decode.view(torch.uint8).reshape(decode.shape[0], 2, -1)
+        for first in range(0, tokens, 32):
+            for local_head in range(2):
+                piece = token_range(
+                    prefill_bytes[first // 32, 2 * rank + local_head], packing, 32, 0, 32
+                )
+                expected = token_range(
+                    decode_bytes[first // 64, local_head], packing, 64, first % 64, 32
+                )
+                assert torch.equal(piece, expected)

@@ -81,6 +81,37 @@ def test_decode_64_is_fed_by_prefills_with_32_and_128_token_blocks(tmp_path) -> 
     print(f"[block sizes] prompt tokens computed per prefill instance: {computed}")
 
 
+def test_decode_tp2_with_64_token_blocks_is_fed_by_a_tp1_prefill_with_32(tmp_path) -> None:
+    """Issue #26 item 2: decode TP 2 with 64-token blocks, prefill TP 1 with 32-token blocks, 4
+    KV heads (2 per decode rank, read in place from prefill's 4-head blocks). Each decode rank's
+    per-layer view is ``[blocks, 2, 64, 128]``, prefill's ``[blocks, 4, 32, 128]`` (float32);
+    both state the vec packing, so every pull cuts prefill blocks by token: answers equal to
+    decode's colocated ones, every pull on both decode ranks succeeds."""
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=4, dtype="float32")))
+    spec = DeploymentSpec(
+        model=model,
+        prefill_tp=1,
+        decode_tp=2,
+        block_size=64,
+        prefill_block_size=32,
+        log_dir=str(tmp_path),
+    )
+    prompts = PROMPTS[:4]
+    with LocalDeployment(spec) as pd:
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        expected = {p: complete(pd.decode.base_url, name, p) for p in prompts}
+        before = metric(pd.prefill.base_url, "vllm:prompt_tokens_total")
+        for prompt in prompts:
+            assert_same(complete(pd.proxy_url, name, prompt), expected[prompt], "through P/D")
+        assert metric(pd.prefill.base_url, "vllm:prompt_tokens_total") > before
+        assert_clean_transfers(pd, requests=len(prompts))
+        decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert "Traceback" not in decode_log
+        assert "attention CPU_ATTN/vec" in decode_log
+        assert "treating its blocks as unsplittable" not in decode_log
+        assert "prefill TP 1 -> decode TP 2 (4 KV heads)" in decode_log
+
+
 def test_bfloat16_blocks_of_the_amx_kernel_are_cut_by_token(tmp_path) -> None:
     """bf16 on a CPU with AMX tiles runs vLLM's amx kernel, whose chunks group K by 16 tokens
     and V by 2: prefill 32 / decode 64, TP 1 on both. bf16 logprobs are not compared (the two

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from ..core.layout import ChunkPacking
+from ..core.layout import ChunkPacking, head_chunk_token_bytes, packing_text
 from ..core.packing import chunk_packing
 from ..datapath.orders import StepOrders
 from ..datapath.receiver import Receiver
@@ -50,26 +50,60 @@ ASLEEP = (
 
 def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacking:
     """The backend's head-major chunk packing (:mod:`..core.packing`), when it accounts for every
-    byte of these views' chunks; otherwise unknown (with a warning: only different block sizes
-    on prefill and decode are then refused, equal ones are unaffected)."""
+    byte of these views' (block, head) chunks; otherwise unknown (with a warning: only different
+    block sizes on prefill and decode are then refused, equal ones are unaffected).
+
+    The bytes a chunk holds per token come from each view's shape *and* strides
+    (:func:`..core.layout.head_chunk_token_bytes`), every view alike, never from its last
+    dimension alone: a chunk is whatever one head's contiguous bytes in a block are."""
     if not views or identity.is_mla:
         return ()
-    view = next(iter(views.values()))
+    first = next(iter(views.values()))
+    element_size = first.element_size()
     packing = chunk_packing(
-        identity.attention_backend, identity.kv_cache_dtype, identity.head_size, view.element_size()
+        identity.attention_backend, identity.kv_cache_dtype, identity.head_size, element_size
     )
-    head_token_bytes = view.shape[-1] * view.element_size()
-    if packing and sum(group.bytes_per_token for group in packing) != head_token_bytes:
-        logger.warning(
-            "attention backend %s: the known chunk packing holds %d B per head and token, the "
-            "KV cache %d B; treating its blocks as unsplittable (prefill and decode need equal "
-            "block sizes)",
-            identity.attention_backend,
-            sum(group.bytes_per_token for group in packing),
-            head_token_bytes,
-        )
+    if not packing:
         return ()
-    return packing
+    held = {
+        (
+            head_chunk_token_bytes(
+                tuple(view.shape),
+                tuple(view.stride()),
+                view.element_size(),
+                block_size=identity.block_size,
+            )
+            if view.element_size() == element_size
+            else None
+        )
+        for view in views.values()
+    }
+    stated = sum(group.bytes_per_token for group in packing)
+    if held == {stated}:
+        return packing
+    if held == {None}:  # token-major (or split) views: tokens are rows, no packing applies
+        logger.debug("KV views of shape %s are not head-major: no chunk packing", first.shape)
+        return ()
+    logger.warning(
+        "attention backend %s (head size %d, %d B elements, KV cache dtype %s): the known chunk "
+        "packing (%s) does not hold the bytes of the KV views' (block, head) chunks: %s per head "
+        "and token in views of shape %s, strides %s, %s (%d-token blocks); treating its blocks "
+        "as unsplittable (prefill and decode then need equal --block-size)",
+        identity.attention_backend,
+        identity.head_size,
+        element_size,
+        identity.kv_cache_dtype,
+        packing_text(packing),
+        " / ".join(
+            "not head-major" if b is None else f"{b} B"
+            for b in sorted(held, key=lambda b: -1 if b is None else b)
+        ),
+        tuple(first.shape),
+        tuple(first.stride()),
+        first.dtype,
+        identity.block_size,
+    )
+    return ()
 
 
 def _layer_order(name: str) -> tuple[int, str]:

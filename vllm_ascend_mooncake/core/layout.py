@@ -68,6 +68,50 @@ def token_rows(head_token_bytes: int) -> ChunkPacking:
     return (RowGroup(rows=1, token_bytes=head_token_bytes),)
 
 
+def packing_text(packing: ChunkPacking) -> str:
+    """A packing for messages: its row groups (rows x bytes per token, token unit where > 1)
+    and the bytes per head and token they hold; ``unknown`` when empty."""
+    if not packing:
+        return "unknown"
+    groups = " + ".join(
+        f"{g.rows} row(s) x {g.token_bytes} B"
+        + (f" in units of {g.token_unit} tokens" if g.token_unit > 1 else "")
+        for g in packing
+    )
+    return f"{groups} = {sum(g.bytes_per_token for g in packing)} B per head and token"
+
+
+def head_chunk_token_bytes(
+    shape: Sequence[int], strides: Sequence[int], element_size: int, *, block_size: int
+) -> int | None:
+    """Bytes per head and token of the (block, head) chunks of a per-layer view
+    ``[blocks, heads, rows, content]``, derived from its shape *and* strides: what a chunk
+    packing (:mod:`.packing`) must account for, byte for byte.
+
+    A chunk is one head's contiguous bytes inside a block: ``rows x content`` elements with
+    contiguous content, rows one after the other and heads one chunk apart (any block stride:
+    vLLM carves every layer's view out of one shared allocation). ``rows`` is the block size (vLLM
+    0.32: ``[blocks, heads, tokens, 2 * head_size]``) or a whole multiple of it (a backend's
+    ``[blocks, heads, 2 * tokens, head_size]``); the chunk's bytes are then spread over the
+    block's tokens. None when the view has no such chunks (token-major, strided content, rows
+    not whole tokens, not 4-D): a packing then does not apply and blocks move whole."""
+    if len(shape) != 4 or len(strides) != 4 or block_size < 1:
+        return None
+    _, heads, rows, content = shape
+    _, s_head, s_row, s_content = _byte_strides(strides, element_size)
+    if heads < 1 or rows < 1 or content < 1 or rows % block_size:
+        return None
+    row_bytes = content * element_size
+    if content > 1 and s_content != element_size:
+        return None
+    if rows > 1 and s_row != row_bytes:
+        return None
+    chunk_bytes = rows * row_bytes
+    if heads > 1 and s_head != chunk_bytes:
+        return None
+    return chunk_bytes // block_size
+
+
 @dataclass(frozen=True)
 class RegionLayout:
     """Byte geometry of one KV region: blocks at a fixed stride, each with the given interior.
@@ -391,17 +435,27 @@ def check_pairable(local: RegionLayout, remote: RegionLayout, *, name: str = "re
 def _split_problems(local: RegionLayout, remote: RegionLayout) -> list[str]:
     """Why head-major blocks of different sizes cannot be mapped token by token (none: they can)."""
     bp, bd = remote.tokens_per_block, local.tokens_per_block
+    sides = (
+        f"prefill: {packing_text(remote.packing)}, {remote.head_token_bytes} B per head and "
+        f"token in its KV view; decode: {packing_text(local.packing)}, "
+        f"{local.head_token_bytes} B"
+    )
     if not (local.packing and remote.packing):
-        side = "decode" if not local.packing else "prefill"
+        side = " and ".join(
+            name for name, layout in (("prefill", remote), ("decode", local)) if not layout.packing
+        )
         return [
             f"block size {bp} on prefill vs {bd} on decode with head-major blocks whose packing "
-            f"is unknown on {side} (only vLLM CPU's vec, vec16 and amx kernels and CUDA "
-            f"FlashAttention are described; see core/packing.py): run both with the same "
-            f"--block-size, or use a token-major cache"
+            f"is unknown on {side} ({sides}; only vLLM CPU's vec, vec16 and amx kernels and CUDA "
+            f"FlashAttention are described, see core/packing.py, and a side whose KV view does "
+            f"not hold the described bytes logs why at start-up): run both with the same "
+            f"--block-size ({bp} or {bd}), or use a token-major cache"
         ]
     if local.packing != remote.packing:
         return [
-            f"head-major chunks packed differently on prefill ({remote.packing}) and decode "
-            f"({local.packing})"
+            f"block size {bp} on prefill vs {bd} on decode with head-major chunks packed "
+            f"differently ({sides}): run both with the same --block-size ({bp} or {bd}), or "
+            f"both with the same dtype, --kv-cache-dtype and attention kernel (vLLM CPU: hosts "
+            f"with the same ISA, AMX or not)"
         ]
     return []  # each side's packing units divide its block size, so they divide the smaller

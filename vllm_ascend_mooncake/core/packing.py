@@ -5,7 +5,11 @@ the connector must know it to cut a block into token ranges (prefill and decode 
 block sizes). Every entry below was read in vLLM 0.32's sources; a backend not listed is unknown,
 and its chunks are only ever moved whole (equal block sizes).
 
-vLLM 0.32 hands the connector a per-layer view ``[blocks, heads, tokens, 2 * head_size]``:
+vLLM 0.32 hands the connector a per-layer view ``[blocks, heads, tokens, 2 * head_size]`` at
+every TP size (``create_kv_cache_views``; logged from running engines for 4 KV heads, float32:
+TP 1 ``[n, 4, 32, 128]`` strides ``(16384, 4096, 128, 1)``, TP 2 ``[n, 2, 64, 128]`` strides
+``(16384, 8192, 128, 1)``); the worker checks a packing against each view's chunks as its shape
+and strides say (:func:`.layout.head_chunk_token_bytes`):
 
 * CUDA ``FLASH_ATTN`` and ``TRITON_ATTN`` split the content of each token into K and V
   (``kv_cache.split(head_size, dim=-1)``), so a chunk is plain token rows. Read, not run on a GPU.
