@@ -154,3 +154,22 @@ def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(cli
     finally:
         notifier.shutdown()
         prefill.close()
+
+
+def test_lane_threads_leave_no_socket_open_behind_them(client) -> None:
+    """Each burst of notices to a peer runs on a new thread: a thread's sockets are closed when
+    it ends, or a long-running decode would fill the ZMQ context (1,023 sockets)."""
+    prefill = Prefill()
+    prefill.start()
+    notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05)
+    try:
+        for i in range(30):  # 30 bursts, 30 threads
+            notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
+            wait_for(lambda i=i: len(prefill.received) == i + 1 and not notifier._lanes)
+        deadline = time.monotonic() + 5
+        while client._all_sockets and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last thread closes its socket as it ends
+        assert not client._all_sockets
+    finally:
+        notifier.shutdown()
+        prefill.close()

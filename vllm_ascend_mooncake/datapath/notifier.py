@@ -58,6 +58,12 @@ class ReadDoneNotifier:
         ).start()
 
     def _drain(self, peer: _Peer) -> None:
+        try:
+            self._drain_lane(peer)
+        finally:  # the thread ends: its socket must not outlive it
+            self._client.close_thread_sockets()
+
+    def _drain_lane(self, peer: _Peer) -> None:
         while True:
             with self._lock:
                 lane = self._lanes[peer]

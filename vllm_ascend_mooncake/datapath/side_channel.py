@@ -336,6 +336,13 @@ class SideChannelClient:
     def fetch_metadata(self, host: str, port: int) -> Message:
         return self.request(host, port, GetMetadata())
 
+    def close_thread_sockets(self) -> None:
+        """Close the calling thread's sockets: a thread that ends calls it, else its sockets
+        stay open (and count against the ZMQ context's 1,023) until :meth:`close`."""
+        sockets = self._local.__dict__.get("sockets", {})
+        while sockets:
+            self._drop(*sockets.popitem())
+
     def close(self) -> None:
         """Close every thread's sockets (call once the threads that used them are done)."""
         with self._guard:
