@@ -64,7 +64,7 @@ elif [ "$status" -eq 4 ]; then
 [gpu-check] error: could not install the [cuda] stack (log: $log).
 [gpu-check] This machine may not reach PyPI, or the install outran the ${LIMIT_S} s limit.
 [gpu-check] Install it where PyPI is reachable ('pip install -e ".[cuda,test]"' into a venv,
-[gpu-check] or use an image with vLLM 0.32 + mooncake-transfer-engine-cuda13) and point
+[gpu-check] or use an image with vLLM 0.33 or 0.34 + mooncake-transfer-engine-cuda13) and point
 [gpu-check] VAM_GPU_VENV at that venv; then rerun this script.
 MESSAGE
         exit 2
