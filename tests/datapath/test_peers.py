@@ -8,6 +8,8 @@ incompatible peer is refused (and never cached).
 from __future__ import annotations
 
 import dataclasses
+import socket
+import time
 import uuid
 
 import pytest
@@ -19,7 +21,11 @@ from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError
 from vllm_ascend_mooncake.datapath.peers import PeerDirectory, PrefillPeer
 from vllm_ascend_mooncake.datapath.registration import regions_from_vllm_views
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
-from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient, SideChannelError
+from vllm_ascend_mooncake.datapath.side_channel import (
+    PeerSilent,
+    SideChannelClient,
+    SideChannelError,
+)
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 
@@ -165,12 +171,57 @@ def test_an_incompatible_peer_is_refused_and_never_cached(client) -> None:
         sender.close()
 
 
-def test_a_silent_peer_is_asked_again_then_given_up(monkeypatch) -> None:
+@pytest.fixture
+def silent_port():
+    """A port that accepts TCP connections and never answers (a frozen worker: the kernel still
+    completes the handshake)."""
+    listener = socket.create_server((HOST, 0))
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_a_silent_peer_is_asked_again_then_given_up(monkeypatch, silent_port) -> None:
     monkeypatch.setattr(peers_module, "FETCH_BACKOFF_S", (0.0, 0.0, 0.0))
-    silent = CountingClient(timeout_s=0.05)  # nobody listens on the port: every ask times out
+    silent = CountingClient(timeout_s=0.05)
     try:
-        with pytest.raises(SideChannelError, match="no reply"):
-            directory(silent).get(HOST, free_port_range(1))
+        with pytest.raises(PeerSilent, match="no reply"):
+            directory(silent).get(HOST, silent_port)
         assert silent.fetches == len(peers_module.FETCH_BACKOFF_S)
     finally:
         silent.close()
+
+
+def test_a_closed_port_fails_at_once_without_waiting_for_timeouts() -> None:
+    """Issue #27: a request naming a prefill nobody runs cost 31 s (three 10 s metadata
+    timeouts) before its error; a TCP connect first tells a closed port in one round trip."""
+    client = CountingClient(timeout_s=10.0)
+    try:
+        with pytest.raises(PeerSilent, match=r"nobody listens on .* \(connection refused\)"):
+            directory(client).get(HOST, free_port_range(1))
+        assert client.fetches == 0  # no metadata request, so no 10 s timeout waited out
+    finally:
+        client.close()
+
+
+def test_a_peer_found_down_is_not_asked_again_until_its_cooldown_ends(
+    monkeypatch, prefill, silent_port
+) -> None:
+    monkeypatch.setattr(peers_module, "FETCH_BACKOFF_S", (0.0, 0.0))
+    client = CountingClient(timeout_s=0.05)
+    peers = PeerDirectory(client, metadata("decode", 2, HEADS // 2), TOPOLOGY, cooldown_s=0.5)
+    try:
+        with pytest.raises(PeerSilent, match="no reply"):
+            peers.get(HOST, silent_port)
+        fetches = client.fetches
+        with pytest.raises(PeerSilent, match=r"not asked for .* it did not answer"):
+            peers.get(HOST, silent_port)
+        assert client.fetches == fetches  # failed at once
+        time.sleep(0.6)
+        with pytest.raises(PeerSilent, match="no reply"):
+            peers.get(HOST, silent_port)
+        assert client.fetches == 2 * fetches  # asked again once the cooldown was over
+        # one peer down costs the others nothing
+        _, port = prefill
+        assert peers.get(HOST, port).engine_id == "prefill"
+    finally:
+        client.close()

@@ -136,3 +136,109 @@ def assert_extra_prefill_clean(url: str, what: str) -> None:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     expired = re.findall(r"^vllm:mooncake_hetero_expired_releases_total\S* (\S+)$", text, re.M)
     assert sum(float(v) for v in expired) == 0, f"{what} released blocks by timeout"
+
+
+# Answers keyed by token id, compared exactly (float32) or within bfloat16's rounding.
+
+#: tokens generated per request by :func:`complete_ids`
+ID_MAX_TOKENS = 8
+#: |logprob - colocated| allowed in bfloat16; justified in test_mla.py's docstring (vLLM rounds
+#: logits to bfloat16, whose spacing is 0.125-0.25 at these models' logits of 16-64)
+BF16_LOGPROB_BOUND = 0.5
+#: the share of generated positions a bfloat16 run must compare token for token (not cut short
+#: by a near-tie that P/D resolved the other way)
+MIN_COMPARED_SHARE = 0.6
+
+
+def prompt_ids(url: str, name: str, text: str) -> list[int]:
+    """``text`` as the served model's token ids (BOS included)."""
+    response = httpx.post(f"{url}/tokenize", json={"model": name, "prompt": text}, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def complete_ids(url: str, name: str, prompt: list[int], **extra) -> dict:
+    """Greedy, top-5 logprobs keyed by token id (token text is ambiguous: many ids decode to
+    the same replacement character): ``{"tokens": [...], "top": [{"token_id:N": logprob}]}``."""
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": ID_MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return {"tokens": choice["token_ids"], "top": choice["logprobs"]["top_logprobs"]}
+
+
+def assert_exact_ids(actual: dict, expected: dict, what: str) -> None:
+    """float32: the same tokens and top-5 sets, logprobs within ``LOGPROB_TOLERANCE``."""
+    assert actual["tokens"] == expected["tokens"], (
+        f"{what}: tokens {actual['tokens']} != colocated {expected['tokens']}"
+    )
+    for position, (got, want) in enumerate(zip(actual["top"], expected["top"], strict=True)):
+        assert got.keys() == want.keys(), f"{what}: top-5 differ at position {position}"
+        for token, logprob in want.items():
+            assert abs(got[token] - logprob) <= LOGPROB_TOLERANCE, (
+                f"{what}, position {position}: {token} logprob {got[token]!r} vs colocated "
+                f"{logprob!r}"
+            )
+
+
+def compared_positions(actual: dict, expected: dict, what: str) -> int:
+    """Check ``actual`` against colocated ``expected`` within the bfloat16 bound; return how many
+    positions matched token for token before a near-tie went the other way (all if none did).
+
+    At each position: every token in both top-5 lists agrees within ``BF16_LOGPROB_BOUND``;
+    every colocated top-5 token clearly above colocated's fifth is in P/D's top 5; a different
+    greedy token is allowed only where colocated's top two are near-tied."""
+    tokens, top = actual["tokens"], actual["top"]
+    ref_tokens, ref_top = expected["tokens"], expected["top"]
+    assert len(tokens) == len(ref_tokens), what
+    for position, (got, want) in enumerate(zip(top, ref_top, strict=True)):
+        where = f"{what}, position {position}"
+        fifth = min(want.values())
+        for token, logprob in want.items():
+            if token in got:
+                assert abs(got[token] - logprob) <= BF16_LOGPROB_BOUND, (
+                    f"{where}: {token} logprob {got[token]:.3f} vs colocated {logprob:.3f}"
+                )
+            else:
+                assert logprob <= fifth + 2 * BF16_LOGPROB_BOUND, (
+                    f"{where}: {token} (colocated {logprob:.3f}) missing from P/D's top 5 {got}"
+                )
+        if tokens[position] != ref_tokens[position]:
+            chosen, ref_chosen = f"token_id:{tokens[position]}", f"token_id:{ref_tokens[position]}"
+            assert chosen in want, f"{where}: P/D chose {chosen}, not in colocated's top 5 {want}"
+            assert want[ref_chosen] - want[chosen] <= 2 * BF16_LOGPROB_BOUND, (
+                f"{where}: P/D chose {chosen} ({want[chosen]:.3f}) over colocated's "
+                f"{ref_chosen} ({want[ref_chosen]:.3f}), not a near-tie; tokens {tokens} vs "
+                f"colocated {ref_tokens}"
+            )
+            return position
+    return len(tokens)
+
+
+def hand_off(prefill_url: str, name: str, prompt: str | list[int], **extra) -> dict:
+    """A one-token prefill that holds the prompt's KV for a decode, as vLLM's example proxy asks
+    for it; returns prefill's ``kv_transfer_params`` (what decode's request carries)."""
+    response = httpx.post(
+        f"{prefill_url}/v1/completions",
+        json={
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+            **extra,
+        },
+        timeout=TIMEOUT,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]

@@ -18,6 +18,7 @@ from pd_checks import (
     assert_extra_prefill_clean,
     assert_same,
     complete,
+    complete_like_vllm_example_proxy,
     metric,
 )
 
@@ -81,35 +82,70 @@ def test_decode_64_is_fed_by_prefills_with_32_and_128_token_blocks(tmp_path) -> 
     print(f"[block sizes] prompt tokens computed per prefill instance: {computed}")
 
 
-def test_decode_tp2_with_64_token_blocks_is_fed_by_a_tp1_prefill_with_32(tmp_path) -> None:
-    """Issue #26 item 2: decode TP 2 with 64-token blocks, prefill TP 1 with 32-token blocks, 4
-    KV heads (2 per decode rank, read in place from prefill's 4-head blocks). Each decode rank's
-    per-layer view is ``[blocks, 2, 64, 128]``, prefill's ``[blocks, 4, 32, 128]`` (float32);
-    both state the vec packing, so every pull cuts prefill blocks by token: answers equal to
-    decode's colocated ones, every pull on both decode ranks succeeds."""
+#: Prefill instances beside decode TP 2 / 64-token blocks: (TP, block size), both directions of
+#: the size ratio at every prefill TP. The first is the deployment's own prefill.
+DECODE_TP2_FEEDERS = [(1, 32), (1, 128), (2, 32), (2, 128), (4, 32), (4, 128)]
+
+
+def test_decode_tp2_with_64_token_blocks_is_fed_by_prefills_of_every_tp_and_size(tmp_path) -> None:
+    """Issue #26 item 2: decode TP 2 with 64-token blocks, 4 KV heads (2 per decode rank), fed in
+    turn by prefills of TP 1, 2 and 4 (4, 2 and 1 heads per rank: read in place, from one rank,
+    or gathered from two) with 32-token blocks (two prefill blocks fill one decode block) and
+    128-token blocks (one prefill block fills two decode blocks). Each view states the vec
+    packing, so every pull cuts blocks by token. Requests go the way vLLM's example proxy sends
+    them (straight to the prefill under test, then to decode), a cache salt per prefill keeping
+    decode's prefix cache out of the way: answers equal decode's colocated ones, every pull on
+    both decode ranks succeeds and every prefill frees every block."""
     model = str(build_tiny_model(TinyModelSpec(num_kv_heads=4, dtype="float32")))
+    (first_tp, first_block), *others = DECODE_TP2_FEEDERS
     spec = DeploymentSpec(
         model=model,
-        prefill_tp=1,
+        prefill_tp=first_tp,
         decode_tp=2,
         block_size=64,
-        prefill_block_size=32,
+        prefill_block_size=first_block,
         log_dir=str(tmp_path),
     )
     prompts = PROMPTS[:4]
     with LocalDeployment(spec) as pd:
         name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
         expected = {p: complete(pd.decode.base_url, name, p) for p in prompts}
-        before = metric(pd.prefill.base_url, "vllm:prompt_tokens_total")
-        for prompt in prompts:
-            assert_same(complete(pd.proxy_url, name, prompt), expected[prompt], "through P/D")
-        assert metric(pd.prefill.base_url, "vllm:prompt_tokens_total") > before
-        assert_clean_transfers(pd, requests=len(prompts))
+
+        def serve_through(prefill_url: str, what: str) -> None:
+            before = metric(prefill_url, "vllm:prompt_tokens_total")
+            # vLLM refuses '/' in a cache salt
+            salt = what.replace(" ", "").replace("/", "-")
+            for prompt in prompts:
+                got = complete_like_vllm_example_proxy(
+                    prefill_url, pd.decode.base_url, name, prompt, cache_salt=salt
+                )
+                assert_same(got, expected[prompt], what)
+            assert metric(prefill_url, "vllm:prompt_tokens_total") > before, what
+
+        serve_through(pd.prefill.base_url, f"prefill TP {first_tp} / {first_block}")
+        for tp, block in others:
+            what = f"prefill TP {tp} / {block}"
+            prefill = pd.make_server(
+                "kv_producer",
+                name=f"prefill-tp{tp}-b{block}",
+                prefill_tp=tp,
+                prefill_block_size=block,
+                side_channel_port=free_port_range(tp),
+            )
+            try:
+                prefill.start()
+                prefill.wait_ready(600)
+                serve_through(prefill.base_url, what)
+                assert_extra_prefill_clean(prefill.base_url, what)
+            finally:
+                prefill.stop()
+        assert_clean_transfers(pd, requests=len(prompts) * len(DECODE_TP2_FEEDERS))
         decode_log = (tmp_path / "decode.log").read_text(errors="replace")
         assert "Traceback" not in decode_log
         assert "attention CPU_ATTN/vec" in decode_log
         assert "treating its blocks as unsplittable" not in decode_log
-        assert "prefill TP 1 -> decode TP 2 (4 KV heads)" in decode_log
+        for tp, _ in DECODE_TP2_FEEDERS:  # each prefill TP size paired at its first handshake
+            assert f"paired: prefill TP {tp} -> decode TP 2 (4 KV heads)" in decode_log, tp
 
 
 def test_bfloat16_blocks_of_the_amx_kernel_are_cut_by_token(tmp_path) -> None:

@@ -33,21 +33,30 @@ bfloat16's spacing is 0.125 (16-32) and 0.25 (32-64). Decode computes the last p
 through MLA's absorbed decode kernel where colocated runs the prefill path (SDPA over up-projected
 K/V), and TP 2 sums partial results in another order, so logits move by a grid step or more:
 over 8 prompts x 12 tokens, the largest |logprob - colocated| of a token in both top-5 lists was
-0.18 (1->1, 423 comparisons), 0.25 (2->1, 373) and 0.36 (1->2, 420). ``LOGPROB_BOUND`` = 0.5
-(two steps of the coarser spacing) covers that; the defect moved position 0's logprobs by
-0.7-2.5, which fails it at the first position of every prompt. Where colocated's top two are
-within ``2 * LOGPROB_BOUND``, greedy may pick either (such near-ties went both ways, e.g.
-colocated 256 over 157 by 0.125 where float32 transformers has 157 ahead by 0.21): the
-comparison then accepts the other near-tied token and stops there (the continuations differ from
-then on), and ``MIN_COMPARED_SHARE`` of all positions must have been compared token for token
-(77-88% were in those measurements).
+0.18 (1->1, 423 comparisons), 0.25 (2->1, 373) and 0.36 (1->2, 420).
+``pd_checks.BF16_LOGPROB_BOUND`` = 0.5 (two steps of the coarser spacing) covers that; the defect
+moved position 0's logprobs by 0.7-2.5, which fails it at the first position of every prompt. Where
+colocated's top two are within ``2 * BF16_LOGPROB_BOUND``, greedy may pick either (such near-ties
+went both ways, e.g. colocated 256 over 157 by 0.125 where float32 transformers has 157 ahead by
+0.21): the comparison then accepts the other near-tied token and stops there (the continuations
+differ from then on), and ``MIN_COMPARED_SHARE`` of all positions must have been compared token for
+token (77-88% were in those measurements).
 """
 
 from __future__ import annotations
 
 import httpx
 import pytest
-from pd_checks import TIMEOUT, assert_clean_transfers, metric
+from pd_checks import (
+    ID_MAX_TOKENS,
+    MIN_COMPARED_SHARE,
+    assert_clean_transfers,
+    compared_positions,
+    hand_off,
+    metric,
+    prompt_ids,
+)
+from pd_checks import complete_ids as complete
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
@@ -55,11 +64,7 @@ from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, build_tiny_
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
 
 DTYPE = "bfloat16"
-MAX_TOKENS = 8
-LOGPROB_BOUND = 0.5
-#: the share of all generated positions that must be compared token for token (not cut short by
-#: a near-tie that P/D resolved the other way)
-MIN_COMPARED_SHARE = 0.6
+MAX_TOKENS = ID_MAX_TOKENS
 
 TEXT = " ".join(f"word{i} the quick brown fox" for i in range(20))
 #: prompt lengths in tokens: one block; the last token alone in a new block of 16 and of 32
@@ -67,66 +72,6 @@ TEXT = " ".join(f"word{i} the quick brown fox" for i in range(20))
 PROMPT_LENGTHS = (6, 33, 64, 200)
 #: the negative control's prompt: 4 blocks of 16 (2 of 32), its token 4 changed in the other
 NEGATIVE_CONTROL_LENGTH = 64
-
-
-def _ids(url: str, name: str, text: str) -> list[int]:
-    response = httpx.post(f"{url}/tokenize", json={"model": name, "prompt": text}, timeout=TIMEOUT)
-    assert response.status_code == 200, response.text
-    return response.json()["tokens"]
-
-
-def complete(url: str, name: str, prompt: list[int], **extra) -> dict:
-    """Greedy, top-5 logprobs keyed by token id (token text is ambiguous: many ids decode to
-    the same replacement character)."""
-    body = {
-        "model": name,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 5,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        **extra,
-    }
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    return {"tokens": choice["token_ids"], "top": choice["logprobs"]["top_logprobs"]}
-
-
-def compared_positions(actual: dict, expected: dict, what: str) -> int:
-    """Check ``actual`` against colocated ``expected`` within the bfloat16 bound; return how many
-    positions matched token for token before a near-tie went the other way (all if none did).
-
-    At each position: every token in both top-5 lists agrees within ``LOGPROB_BOUND``; every
-    colocated top-5 token clearly above colocated's fifth is in P/D's top 5; a different greedy
-    token is allowed only where colocated's top two are near-tied."""
-    tokens, top = actual["tokens"], actual["top"]
-    ref_tokens, ref_top = expected["tokens"], expected["top"]
-    assert len(tokens) == len(ref_tokens) == MAX_TOKENS, what
-    for position, (got, want) in enumerate(zip(top, ref_top, strict=True)):
-        where = f"{what}, position {position}"
-        fifth = min(want.values())
-        for token, logprob in want.items():
-            if token in got:
-                assert abs(got[token] - logprob) <= LOGPROB_BOUND, (
-                    f"{where}: {token} logprob {got[token]:.3f} vs colocated {logprob:.3f}"
-                )
-            else:
-                assert logprob <= fifth + 2 * LOGPROB_BOUND, (
-                    f"{where}: {token} (colocated {logprob:.3f}) missing from P/D's top 5 {got}"
-                )
-        if tokens[position] != ref_tokens[position]:
-            chosen, ref_chosen = f"token_id:{tokens[position]}", f"token_id:{ref_tokens[position]}"
-            assert chosen in want, f"{where}: P/D chose {chosen}, not in colocated's top 5 {want}"
-            assert want[ref_chosen] - want[chosen] <= 2 * LOGPROB_BOUND, (
-                f"{where}: P/D chose {chosen} ({want[chosen]:.3f}) over colocated's "
-                f"{ref_chosen} ({want[ref_chosen]:.3f}), not a near-tie; tokens {tokens} vs "
-                f"colocated {ref_tokens}"
-            )
-            return position
-    return len(tokens)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +87,7 @@ def reference(model: str) -> dict:
     with VllmServer(model, dtype=DTYPE) as server:
         url = server.base_url
         name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        text_ids = _ids(url, name, TEXT)
+        text_ids = prompt_ids(url, name, TEXT)
         assert len(text_ids) >= max(PROMPT_LENGTHS), len(text_ids)
         prompts = [text_ids[:n] for n in PROMPT_LENGTHS]
         x = prompts[PROMPT_LENGTHS.index(NEGATIVE_CONTROL_LENGTH)]
@@ -193,19 +138,7 @@ def test_mla_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_p
         # Negative control: decode gets prompt X with the KV of prompt Y (same length, token 4
         # differs). Having recomputed X it would answer X; it must continue Y.
         x, y = reference["x"], reference["y"]
-        response = httpx.post(
-            f"{pd.prefill.base_url}/v1/completions",
-            json={
-                "model": name,
-                "prompt": y,
-                "max_tokens": 1,
-                "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
-            timeout=TIMEOUT,
-        )
-        assert response.status_code == 200, response.text
-        params = response.json()["kv_transfer_params"]
+        params = hand_off(pd.prefill.base_url, name, y)
         assert prefill_address(params)
         decoded = complete(
             decode_url, name, x, kv_transfer_params=params, cache_salt="negative-control"

@@ -13,6 +13,7 @@ import pytest
 from vllm_ascend_mooncake.deps import MissingDependencyError
 from vllm_ascend_mooncake.launch import tiny_model
 from vllm_ascend_mooncake.launch.tiny_model import (
+    ARCHITECTURES,
     BOS_TOKEN,
     EOS_TOKEN,
     MANIFEST_FILE,
@@ -150,14 +151,27 @@ def test_chat_template_renders_a_conversation(tmp_path: Path) -> None:
     assert rendered == BOS_TOKEN + expected
 
 
-def test_greedy_output_depends_on_early_context_in_transformers(tmp_path: Path) -> None:
-    """The init scales keep random weights from collapsing into prompt-independent output."""
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_greedy_output_depends_on_early_context_in_transformers(
+    tmp_path: Path, architecture: str
+) -> None:
+    """The init scales keep random weights from collapsing into prompt-independent output; a
+    Qwen2 model loads with every weight it declares (its Q/K/V biases included)."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_tiny_model(TinyModelSpec(), cache_root=tmp_path)
+    spec = TinyModelSpec(architecture=architecture, num_kv_heads=3, num_attention_heads=6)
+    path = build_tiny_model(spec, cache_root=tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    model = model.eval()
+    assert type(model).__name__ == ARCHITECTURES[architecture]
+    assert not any(loading.values()), loading  # no missing, unexpected or mismatched weights
+    if architecture == "qwen2":
+        bias = model.model.layers[0].self_attn.k_proj.bias
+        assert bias.shape == (3 * spec.head_dim,) and bias.abs().max() > 0
     story = " walked along the river for an hour and then sat down under the old tree while the"
     continuations = []
     for first_word in ("Alice", "Bob", "Carol"):

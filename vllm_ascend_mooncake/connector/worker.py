@@ -28,6 +28,7 @@ from . import vllm_compat
 from .config import ConnectorConfig
 from .identity import model_identity
 from .stats import TransferStats
+from .vllm_defects import mla_plain_rope_on_cpu
 from .wiring import (
     DecodeSide,
     KVCacheMemory,
@@ -177,6 +178,9 @@ class ConnectorWorker:
             )
             self.receiver, metadata = self._decode.receiver, self._decode.metadata
         regions = memory.regions
+        defect = mla_plain_rope_on_cpu(vllm_config.model_config, current_platform.device_type)
+        if defect and self.tp_rank == 0:
+            logger.warning("%s", defect)
         logger.info(
             "%s worker %d ready: %d KV regions (%s), attention %s, %s",
             config.role,

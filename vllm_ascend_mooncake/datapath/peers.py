@@ -5,25 +5,36 @@ engine session, incarnation) is fetched on first use, checked for compatibility 
 into a :class:`PrefillPeer`, which every request reading that peer then shares; it is dropped
 when a read from that peer fails or when a request names a different engine or incarnation, so a
 restarted prefill worker is re-fetched instead of read at stale addresses.
+
+A peer nobody answers for fails fast: before its first metadata request a TCP connect tells a
+closed port (nobody listens: a wrong address, a stopped prefill) from a live one in one round
+trip, and a peer that was found closed or stayed silent through every attempt is not asked again
+for ``cooldown_s``, so requests naming it fail at once instead of each waiting out the timeouts.
+A port that accepts the connection but does not answer (a frozen or busy worker) is asked again.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from dataclasses import dataclass
 
 from ..core.layout import Region
 from ..core.topology import Topologies, TopologyError, TransferTopology
+from ..defaults import PEER_COOLDOWN_S
 from ..log import get_logger
 from .compat import IncompatiblePeerError, check_peer
-from .side_channel import SideChannelClient, SideChannelError
+from .side_channel import PeerRefused, PeerSilent, SideChannelClient, SideChannelError
 from .wire import WorkerMetadata
 
 logger = get_logger(__name__)
 
 # Pauses between metadata fetch attempts (the last value is unused: no retry after it).
 FETCH_BACKOFF_S = (0.2, 1.0, 0.0)
+#: The longest the TCP connect before a peer's first metadata request may take.
+CONNECT_PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,9 +67,16 @@ class PeerDirectory:
     """Thread-safe cache of prefill workers' metadata."""
 
     def __init__(
-        self, client: SideChannelClient, local: WorkerMetadata, topology: TransferTopology
+        self,
+        client: SideChannelClient,
+        local: WorkerMetadata,
+        topology: TransferTopology,
+        cooldown_s: float = PEER_COOLDOWN_S,
     ) -> None:
         self._client = client
+        self._cooldown_s = cooldown_s
+        #: (host, port) -> (until when requests naming it fail at once, why)
+        self._down: dict[tuple[str, int], tuple[float, str]] = {}
         self._local = local
         #: one topology per prefill TP size met (``topology`` is the configured one)
         self.topologies = Topologies(topology, local_is_decode=True)
@@ -84,6 +102,9 @@ class PeerDirectory:
             cached = self._cache.get(key)
         if cached is not None and _matches(cached.metadata, engine_id, incarnation):
             return cached
+        self._fail_if_down(key)
+        if cached is None:
+            self._probe(key)
         reply = self._fetch_with_retries(host, port)
         if not isinstance(reply, WorkerMetadata):
             raise SideChannelError(f"{host}:{port} answered metadata with {type(reply).__name__}")
@@ -104,15 +125,63 @@ class PeerDirectory:
         peer = PrefillPeer.of(reply, topology)
         with self._lock:
             self._cache[key] = peer
+        if cached is None:
+            logger.info(
+                "prefill engine %s rank %d at %s:%d paired: %s",
+                reply.engine_id,
+                reply.tp_rank,
+                host,
+                port,
+                topology.describe(),
+            )
         return peer
 
+    def _fail_if_down(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            until, why = self._down.get(key, (0.0, ""))
+        left = until - time.monotonic()
+        if left > 0:
+            raise PeerSilent(
+                f"{key[0]}:{key[1]} is not asked for {left:.1f} s more: {why} (a prefill that "
+                f"restarted there is asked again once that time is up)"
+            )
+
+    def _mark_down(self, key: tuple[str, int], why: str) -> None:
+        with self._lock:
+            self._down[key] = (time.monotonic() + self._cooldown_s, why)
+
+    def _probe(self, key: tuple[str, int]) -> None:
+        """Fail at once where nobody listens: ZMQ would wait out the timeouts in silence."""
+        host, port = key
+        try:
+            with socket.create_connection(key, timeout=CONNECT_PROBE_S):
+                return
+        except ConnectionRefusedError:
+            why = f"nobody listens on {host}:{port} (connection refused)"
+        except OSError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, errno.ENETUNREACH) and not isinstance(
+                exc, TimeoutError
+            ):
+                return  # another local failure: let the metadata request report it
+            why = f"{host}:{port} is unreachable ({exc or type(exc).__name__})"
+        self._mark_down(key, why)
+        raise PeerSilent(
+            f"{why}: check the prefill instance's side_channel_port and VLLM_HOST_IP, and that "
+            f"it is running"
+        )
+
     def _fetch_with_retries(self, host: str, port: int):
-        """A busy prefill worker (first request, CPU contention) may miss one exchange."""
+        """A busy prefill worker (first request, CPU contention) may miss one exchange; a peer
+        silent through every attempt, or refusing, is marked down for ``cooldown_s``."""
         for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
             try:
                 return self._client.fetch_metadata(host, port)
+            except PeerRefused:
+                raise
             except SideChannelError as exc:
                 if attempt == len(FETCH_BACKOFF_S) - 1:
+                    if isinstance(exc, PeerSilent):
+                        self._mark_down((host, port), f"it did not answer ({exc})")
                     raise
                 logger.warning(
                     "metadata fetch from %s:%d failed (%s); retrying in %.1f s",

@@ -52,6 +52,10 @@ class PeerRefused(SideChannelError):
     """The peer answered, with an error: asking again will not help."""
 
 
+class PeerSilent(SideChannelError):
+    """No reply within the timeout: the peer is frozen, overloaded, gone or unreachable."""
+
+
 class FrameSigner:
     """HMAC-SHA256 of each side-channel message under a secret both sides share."""
 
@@ -313,7 +317,7 @@ class SideChannelClient:
                 frames.append(self._signer.sign_request(payload))
             sock.send_multipart(frames)
             if not sock.poll(self._timeout_ms, zmq.POLLIN):
-                raise SideChannelError(f"no reply from {host}:{port} within {self._timeout_ms} ms")
+                raise PeerSilent(f"no reply from {host}:{port} within {self._timeout_ms} ms")
             frames = sock.recv_multipart()
             if len(frames) not in (2, 3) or frames[0] != b"":
                 raise SideChannelError(f"malformed reply from {host}:{port}")

@@ -1,14 +1,15 @@
-"""Build small random Llama (or DeepSeek-V2 MLA) checkpoints that vLLM can serve, offline and
-deterministically.
+"""Build small random Llama, Qwen2 or DeepSeek-V2 (MLA) checkpoints that vLLM can serve, offline
+and deterministically.
 
 Tests, benchmarks and the demo need a real model directory (config, weights, tokenizer) whose
 shape we choose: the number of KV heads decides how heterogeneous tensor parallelism splits the
 KV cache, and the number of layers and the head size decide how many bytes move per block.
 Nothing may be downloaded, so :func:`build_tiny_model` writes such a directory from scratch:
 
-* ``config.json`` / ``generation_config.json``: a ``LlamaForCausalLM`` with the requested shape
-  (:class:`TinyModelSpec`), or a dense ``DeepseekV2ForCausalLM`` whose attention is MLA with a
-  latent KV cache (:class:`TinyMLAModelSpec`);
+* ``config.json`` / ``generation_config.json``: a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
+  (biased Q/K/V projections) with the requested shape (:class:`TinyModelSpec`), or a dense
+  ``DeepseekV2ForCausalLM`` whose attention is MLA with a latent KV cache
+  (:class:`TinyMLAModelSpec`);
 * ``model.safetensors``: random weights drawn from a seeded generator;
 * ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer trained locally on a
   generated corpus, with BOS/EOS tokens and a plain chat template (for ``/v1/chat/completions``).
@@ -64,6 +65,9 @@ MANIFEST_FILE = "tiny_model_spec.json"
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
+#: The grouped-query architectures :class:`TinyModelSpec` builds (vLLM's model classes).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
 # Byte-level BPE needs all 256 byte symbols plus the special tokens before any merge.
 _MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
@@ -81,13 +85,18 @@ _QUERY_KEY_GAIN = 2.0
 _PROJECTION_GAIN = 1.0
 _LOGIT_STD = 8.0
 
+#: Qwen2's Q/K/V biases: small beside the projections' outputs (order 1), not zero, so a bias
+#: that vLLM dropped or sharded wrongly changes the answers.
+_QKV_BIAS_STD = 0.1
+
 _ROPE_THETA = 10000.0
 _RMS_NORM_EPS = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape and seed of a tiny Llama model.
+    """Shape and seed of a tiny grouped-query model: Llama, or Qwen2 (``architecture="qwen2"``:
+    Llama's layers plus biases on the Q/K/V projections).
 
     ``hidden_size`` defaults to ``num_attention_heads * head_dim`` and ``intermediate_size`` to
     twice the hidden size; both are resolved at construction, so a spec that leaves them out
@@ -104,15 +113,20 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     dtype: str = "float32"
     seed: int = 0
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}"
+            )
         if self.hidden_size is None:
             object.__setattr__(self, "hidden_size", self.num_attention_heads * self.head_dim)
         if self.intermediate_size is None:
             object.__setattr__(self, "intermediate_size", 2 * self.hidden)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "dtype":
+            if field.name in ("dtype", "architecture"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{field.name} must be an int, got {value!r}")
@@ -125,6 +139,11 @@ class TinyModelSpec:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.architecture == "qwen2" and self.hidden != self.num_attention_heads * self.head_dim:
+            raise ValueError(
+                f"a Qwen2 model's head_dim is hidden_size / num_attention_heads: hidden_size "
+                f"{self.hidden} != {self.num_attention_heads} x {self.head_dim}"
+            )
         if self.vocab_size < _MIN_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size must be at least {_MIN_VOCAB_SIZE} (256 byte symbols plus "
@@ -159,7 +178,7 @@ class TinyModelSpec:
     def directory_name(self) -> str:
         """Readable, collision-free directory name for the cache."""
         return (
-            f"llama-l{self.num_layers}-h{self.num_attention_heads}-kv{self.num_kv_heads}"
+            f"{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}-kv{self.num_kv_heads}"
             f"-d{self.head_dim}-{self.dtype}-{self.fingerprint()[:16]}"
         )
 
@@ -356,9 +375,9 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 
 def _model_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[spec.architecture]],
+        "model_type": spec.architecture,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.num_layers,
@@ -381,6 +400,12 @@ def _model_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int) ->
         "pad_token_id": pad_id,
         "use_cache": True,
     }
+    if spec.architecture == "qwen2":
+        # Qwen2 always biases Q/K/V (no attention_bias switch); no sliding window.
+        for key in ("attention_bias", "mlp_bias", "head_dim"):
+            del config[key]
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+    return config
 
 
 def _mla_model_config(
@@ -470,6 +495,13 @@ def _weight_shapes(spec: TinyModelSpec) -> Iterator[tuple[str, tuple[int, ...], 
             (kv_width, hidden),
             _PROJECTION_GAIN / math.sqrt(hidden),
         )
+        if spec.architecture == "qwen2":
+            for name, width in (
+                ("q_proj", heads_width),
+                ("k_proj", kv_width),
+                ("v_proj", kv_width),
+            ):
+                yield f"{prefix}.self_attn.{name}.bias", (width,), _QKV_BIAS_STD
         yield (
             f"{prefix}.self_attn.o_proj.weight",
             (hidden, heads_width),
@@ -634,12 +666,16 @@ def _train_tokenizer(vocab_size: int) -> Any:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_ascend_mooncake.launch.tiny_model",
-        description="Build (or find in the cache) a tiny random Llama model; print its path.",
+        description=(
+            "Build (or find in the cache) a tiny random Llama or Qwen2 model; print its path."
+        ),
     )
     for field in dataclasses.fields(TinyModelSpec):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "dtype":
             parser.add_argument(flag, choices=SUPPORTED_DTYPES, default=field.default)
+        elif field.name == "architecture":
+            parser.add_argument(flag, choices=sorted(ARCHITECTURES), default=field.default)
         else:
             parser.add_argument(flag, type=int, default=field.default)
     parser.add_argument(

@@ -1,0 +1,131 @@
+"""End to end on geometries nobody picked: each run draws a few (seeded; the seeds are in the
+session header and in each test's id; ``--geometry-seed N`` reruns one).
+
+A draw (:mod:`vllm_ascend_mooncake.testing.geometry_draw`) is a tiny Llama, Qwen2 or DeepSeek-V2
+(MLA) model with random KV heads, head size, layers and dtype, and a P/D topology: prefill and
+decode TP sizes up to 4 and each side's block size (mixed where vLLM CPU's packing is known). The
+deployment serves prompts of drawn lengths through ``vam-proxy``, then again through a client
+that speaks vLLM's example-proxy protocol, and a negative control proves decode continues the
+pulled KV, not its own recompute. The reference is decode's own colocated answer to the same
+prompt asked a second time (its prefix cache then serves all but the last token, the path decode
+takes after a pull; a cache salt keeps those blocks apart from P/D's): equal token for token in
+float32, within ``pd_checks.BF16_LOGPROB_BOUND`` in bfloat16. Every pull must succeed on every
+decode rank, both engines stay up and every block comes back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from pd_checks import (
+    MIN_COMPARED_SHARE,
+    assert_clean_transfers,
+    assert_exact_ids,
+    compared_positions,
+    complete_ids,
+    hand_off,
+    metric,
+    prompt_ids,
+)
+
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
+from vllm_ascend_mooncake.testing.geometry_draw import GeometryDraw
+
+pytestmark = pytest.mark.engine
+
+TEXT = " ".join(f"word{i} the quick brown fox jumps over {i} lazy dogs" for i in range(60))
+#: vLLM's max_model_len for the deployment; prompts leave room for the generated tokens
+MAX_MODEL_LEN = 512
+LONGEST_PROMPT = 400
+REFERENCE_SALT = "colocated"
+
+
+def prompt_lengths(draw: GeometryDraw) -> list[int]:
+    """A short prompt, one whose last token starts a new block of the larger size (the pull
+    then covers whole blocks only) and a long one spanning many blocks, from the draw's seed."""
+    rng = random.Random(draw.seed)
+    larger = max(draw.prefill_block_size, draw.decode_block_size)
+    return [rng.randint(2, 31), larger + 1, rng.randint(larger + 2, LONGEST_PROMPT)]
+
+
+def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_path) -> None:
+    draw = geometry_draw
+    print(f"[random geometry] {draw} (rerun: --geometry-seed {draw.seed})")
+    model = str(build_tiny_model(draw.model_spec()))
+    spec = DeploymentSpec(
+        model=model,
+        prefill_tp=draw.prefill_tp,
+        decode_tp=draw.decode_tp,
+        dtype=draw.dtype,
+        block_size=draw.decode_block_size,
+        prefill_block_size=draw.prefill_block_size,
+        max_model_len=MAX_MODEL_LEN,
+        log_dir=str(tmp_path),
+    )
+    exact = draw.dtype == "float32"
+    compared = total = 0
+
+    def check(actual: dict, expected: dict, what: str) -> int:
+        nonlocal compared, total
+        if exact:
+            assert_exact_ids(actual, expected, f"{draw}: {what}")
+            matched = len(actual["tokens"])
+        else:
+            matched = compared_positions(actual, expected, f"{draw}: {what}")
+        compared += matched
+        total += len(actual["tokens"])
+        return matched
+
+    with LocalDeployment(spec) as pd:
+        decode = pd.decode.base_url
+        name = httpx.get(f"{decode}/v1/models", timeout=60).json()["data"][0]["id"]
+        text = prompt_ids(decode, name, TEXT)
+        assert len(text) >= LONGEST_PROMPT, len(text)
+        prompts = [text[:n] for n in prompt_lengths(draw)]
+        x = prompts[-1]
+        y = list(x)
+        for i in range(4, len(y) - 8, 3):  # a third of the tokens differ; same length
+            y[i] = 3 + (y[i] + 1) % 400
+
+        def colocated(prompt: list[int]) -> dict:
+            """Decode's own answer, the second time (prefix-cached where vLLM caches)."""
+            complete_ids(decode, name, prompt, cache_salt=REFERENCE_SALT)
+            return complete_ids(decode, name, prompt, cache_salt=REFERENCE_SALT)
+
+        reference = {tuple(p): colocated(p) for p in [*prompts, y]}
+        external_before = metric(decode, "vllm:external_prefix_cache_hits_total")
+        for prompt in prompts:
+            got = complete_ids(pd.proxy_url, name, prompt)
+            check(got, reference[tuple(prompt)], f"{len(prompt)}-token prompt via vam-proxy")
+        for prompt in prompts:
+            params = hand_off(pd.prefill.base_url, name, prompt, cache_salt="example-proxy")
+            got = complete_ids(
+                decode,
+                name,
+                prompt,
+                kv_transfer_params=params,
+                cache_salt="example-proxy",
+            )
+            check(got, reference[tuple(prompt)], f"{len(prompt)}-token prompt, example proxy")
+        assert metric(decode, "vllm:external_prefix_cache_hits_total") > external_before
+
+        # Negative control: decode gets prompt X with the KV of prompt Y (same length): having
+        # recomputed X it would answer X; it must continue Y.
+        params = hand_off(pd.prefill.base_url, name, y)
+        decoded = complete_ids(
+            decode,
+            name,
+            x,
+            kv_transfer_params=params,
+            cache_salt="negative-control",
+        )
+        assert_clean_transfers(pd, requests=2 * len(prompts) + 1)
+    assert reference[tuple(x)]["tokens"] != reference[tuple(y)]["tokens"], "X and Y answer alike"
+    assert decoded["tokens"] != reference[tuple(x)]["tokens"], "decode recomputed prompt X"
+    assert check(decoded, reference[tuple(y)], "X with Y's KV") >= 1
+    assert compared >= MIN_COMPARED_SHARE * total, (
+        f"{draw}: only {compared} of {total} positions compared before near-ties diverged"
+    )

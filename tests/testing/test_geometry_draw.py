@@ -1,0 +1,91 @@
+"""The random-geometry draws: every draw of many seeds is one vLLM CPU can serve here, the same
+seed gives the same draw, and the draws cover every value each axis may take."""
+
+from __future__ import annotations
+
+from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, TinyModelSpec
+from vllm_ascend_mooncake.testing import geometry_draw
+from vllm_ascend_mooncake.testing.geometry_draw import (
+    ARCHITECTURES,
+    BLOCK_SIZES,
+    DTYPES,
+    HEAD_DIMS,
+    KV_HEADS,
+    LAYERS,
+    MAX_RANKS,
+    MIN_ATTENTION_HEADS,
+    MLA_BLOCK_SIZE,
+    TP_SIZES,
+    GeometryDraw,
+    draw_geometry,
+    run_seeds,
+)
+
+SEEDS = range(2000)
+
+
+def test_every_draw_is_servable() -> None:
+    for seed in SEEDS:
+        draw = draw_geometry(seed)
+        try:
+            check_servable(draw)
+        except (AssertionError, ValueError) as exc:
+            raise AssertionError(f"draw {draw}: {exc}") from exc
+
+
+def check_servable(draw: GeometryDraw) -> None:
+    assert draw.prefill_tp in TP_SIZES and draw.decode_tp in TP_SIZES
+    assert draw.prefill_tp + draw.decode_tp <= MAX_RANKS
+    assert draw.num_layers in LAYERS
+    heads = draw.num_attention_heads
+    assert heads >= MIN_ATTENTION_HEADS
+    assert heads % draw.prefill_tp == 0 and heads % draw.decode_tp == 0
+    spec = draw.model_spec()  # validates the model's own rules too
+    if draw.is_mla:
+        assert isinstance(spec, TinyMLAModelSpec)
+        assert draw.dtype == "bfloat16" and spec.latent_size == 576
+        assert draw.prefill_block_size == draw.decode_block_size == MLA_BLOCK_SIZE
+        return
+    assert isinstance(spec, TinyModelSpec) and spec.architecture == draw.architecture
+    kv = draw.num_kv_heads
+    assert kv in KV_HEADS and heads % kv == 0
+    for tp in (draw.prefill_tp, draw.decode_tp):
+        assert kv % tp == 0 or tp % kv == 0, f"{draw}: vLLM cannot shard {kv} KV heads"
+    assert draw.head_dim in HEAD_DIMS and draw.dtype in DTYPES
+    assert draw.prefill_block_size in BLOCK_SIZES and draw.decode_block_size in BLOCK_SIZES
+
+
+def test_a_seed_always_draws_the_same_geometry() -> None:
+    assert [draw_geometry(s) for s in range(50)] == [draw_geometry(s) for s in range(50)]
+    # pinned: a change to the drawing rules must not silently change what a printed seed means
+    assert str(draw_geometry(16)) == "seed16-qwen2-l3-h4-kv4-d64-bfloat16-tp4to2-b64to32"
+
+
+def test_the_draws_cover_every_value_of_every_axis() -> None:
+    draws = [draw_geometry(s) for s in SEEDS]
+    grouped = [d for d in draws if not d.is_mla]
+    assert {d.architecture for d in draws} == set(ARCHITECTURES)
+    assert {(d.prefill_tp, d.decode_tp) for d in draws} == {
+        (p, d) for p in TP_SIZES for d in TP_SIZES if p + d <= MAX_RANKS
+    }
+    assert {d.num_kv_heads for d in grouped} == set(KV_HEADS)
+    assert {d.head_dim for d in grouped} == set(HEAD_DIMS)
+    assert {d.dtype for d in grouped} == set(DTYPES)
+    assert {d.num_layers for d in draws} == set(LAYERS)
+    assert {(d.prefill_block_size, d.decode_block_size) for d in grouped} == {
+        (p, d) for p in BLOCK_SIZES for d in BLOCK_SIZES
+    }
+
+
+def test_run_seeds_reproduce_one_or_draw_fresh_ones(monkeypatch) -> None:
+    monkeypatch.delenv(geometry_draw.SEED_ENV_VAR, raising=False)
+    monkeypatch.delenv(geometry_draw.DRAWS_ENV_VAR, raising=False)
+    assert run_seeds(seed=123) == [123]
+    first, second = run_seeds(draws=3), run_seeds(draws=3)
+    assert len(first) == 3 and first != second  # different each run
+    assert len(run_seeds()) == geometry_draw.DEFAULT_DRAWS
+    monkeypatch.setenv(geometry_draw.DRAWS_ENV_VAR, "5")
+    assert len(run_seeds()) == 5
+    monkeypatch.setenv(geometry_draw.SEED_ENV_VAR, "77")
+    assert run_seeds() == [77]
+    assert run_seeds(seed=9) == [9]  # the option wins over the environment

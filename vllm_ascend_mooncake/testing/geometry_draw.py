@@ -1,0 +1,168 @@
+"""Seeded random P/D geometries: a model and a topology nobody picked, reproducible from a seed.
+
+The end-to-end suite names its geometries; this module draws others, so that correctness does not
+rest on the ones someone chose. One seed gives one :class:`GeometryDraw`: an architecture (Llama,
+Qwen2 or a DeepSeek-V2 with MLA), its KV heads, head size, layers and dtype, the prefill and decode
+TP sizes and each side's block size. Every draw is one vLLM CPU can serve on a 2-core, 24 GiB
+machine:
+
+* TP sizes 1, 2 or 4 on each side, at most :data:`MAX_RANKS` ranks in all (a TP 4 instance takes
+  about 8 GiB here);
+* KV heads 1-8 that vLLM can shard at both TP sizes (a TP size divides the KV heads or the KV
+  heads divide it, the latter replicating heads); attention heads the least multiple of the KV
+  heads and both TP sizes, at least :data:`MIN_ATTENTION_HEADS`;
+* head_dim 64 or 128 (vLLM CPU attention sizes), layers 2-4, float32 or bfloat16;
+* block sizes 32, 64 or 128 per side, mixed (vLLM CPU's chunk packing is known, so blocks are cut
+  by token). MLA models are bfloat16 (vLLM CPU's MLA backends need it) with DeepSeek-V2's real
+  latent (576 elements) and block size 32 on both sides: vLLM CPU's MLA backends take no other
+  (CPU_MLA forces 16, AMX_MLA takes 32).
+
+No I/O, no vLLM: tests/testing checks every draw of many seeds against these rules.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, TinyModelSpec
+
+ARCHITECTURES = ("llama", "qwen2", "deepseek_mla")
+TP_SIZES = (1, 2, 4)
+#: prefill + decode ranks: TP 4 + TP 2 fits 24 GiB beside the test; TP 4 + TP 4 does not
+MAX_RANKS = 6
+KV_HEADS = tuple(range(1, 9))
+HEAD_DIMS = (64, 128)
+LAYERS = (2, 3, 4)
+DTYPES = ("float32", "bfloat16")
+BLOCK_SIZES = (32, 64, 128)
+#: vLLM CPU's MLA backends: AMX_MLA takes 32-token blocks, CPU_MLA forces 16 whatever is asked
+MLA_BLOCK_SIZE = 32
+#: fewer query heads than this make the tiny model's attention too coarse to tell KV apart
+MIN_ATTENTION_HEADS = 4
+
+#: The environment variables a run's draws come from (the pytest options override them).
+SEED_ENV_VAR = "VAM_GEOMETRY_SEED"
+DRAWS_ENV_VAR = "VAM_GEOMETRY_DRAWS"
+DEFAULT_DRAWS = 2
+
+
+@dataclass(frozen=True)
+class GeometryDraw:
+    """One drawn P/D deployment. ``num_kv_heads`` and ``head_dim`` are ``None`` for MLA, whose
+    KV cache is one latent per token, replicated on every rank."""
+
+    seed: int
+    architecture: str
+    num_layers: int
+    dtype: str
+    num_attention_heads: int
+    num_kv_heads: int | None
+    head_dim: int | None
+    prefill_tp: int
+    decode_tp: int
+    prefill_block_size: int
+    decode_block_size: int
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture == "deepseek_mla"
+
+    def model_spec(self) -> TinyModelSpec | TinyMLAModelSpec:
+        """The tiny model to build; its weights are seeded by the draw's seed too."""
+        weights_seed = self.seed % 2**31
+        if self.is_mla:
+            return TinyMLAModelSpec(
+                num_layers=self.num_layers,
+                num_attention_heads=self.num_attention_heads,
+                dtype=self.dtype,
+                seed=weights_seed,
+            )
+        assert self.num_kv_heads is not None and self.head_dim is not None
+        return TinyModelSpec(
+            architecture=self.architecture,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            seed=weights_seed,
+        )
+
+    def __str__(self) -> str:
+        heads = "latent576" if self.is_mla else f"kv{self.num_kv_heads}-d{self.head_dim}"
+        return (
+            f"seed{self.seed}-{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}"
+            f"-{heads}-{self.dtype}-tp{self.prefill_tp}to{self.decode_tp}"
+            f"-b{self.prefill_block_size}to{self.decode_block_size}"
+        )
+
+
+def shardable(num_kv_heads: int, tp: int) -> bool:
+    """vLLM's rule: TP splits the KV heads evenly, or replicates each over ``tp / heads`` ranks."""
+    return num_kv_heads % tp == 0 or tp % num_kv_heads == 0
+
+
+def draw_geometry(seed: int) -> GeometryDraw:
+    """The geometry of ``seed`` (the same on every machine and Python version: ``random.Random``
+    with an int seed is stable)."""
+    rng = random.Random(seed)
+    architecture = rng.choice(ARCHITECTURES)
+    prefill_tp, decode_tp = rng.choice(
+        [(p, d) for p in TP_SIZES for d in TP_SIZES if p + d <= MAX_RANKS]
+    )
+    num_layers = rng.choice(LAYERS)
+    if architecture == "deepseek_mla":
+        heads = _attention_heads(1, prefill_tp, decode_tp)
+        return GeometryDraw(
+            seed=seed,
+            architecture=architecture,
+            num_layers=num_layers,
+            dtype="bfloat16",
+            num_attention_heads=heads,
+            num_kv_heads=None,
+            head_dim=None,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            prefill_block_size=MLA_BLOCK_SIZE,
+            decode_block_size=MLA_BLOCK_SIZE,
+        )
+    kv_heads = rng.choice(
+        [n for n in KV_HEADS if shardable(n, prefill_tp) and shardable(n, decode_tp)]
+    )
+    return GeometryDraw(
+        seed=seed,
+        architecture=architecture,
+        num_layers=num_layers,
+        dtype=rng.choice(DTYPES),
+        num_attention_heads=_attention_heads(kv_heads, prefill_tp, decode_tp),
+        num_kv_heads=kv_heads,
+        head_dim=rng.choice(HEAD_DIMS),
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        prefill_block_size=rng.choice(BLOCK_SIZES),
+        decode_block_size=rng.choice(BLOCK_SIZES),
+    )
+
+
+def _attention_heads(kv_heads: int, prefill_tp: int, decode_tp: int) -> int:
+    """The least head count that is a multiple of the KV heads and of both TP sizes, raised to at
+    least :data:`MIN_ATTENTION_HEADS` by a whole factor."""
+    heads = math.lcm(kv_heads, prefill_tp, decode_tp)
+    return heads * math.ceil(MIN_ATTENTION_HEADS / heads)
+
+
+def run_seeds(seed: int | None = None, draws: int | None = None) -> list[int]:
+    """The seeds of this run's draws: ``seed`` alone (reproducing one draw), else ``draws`` seeds
+    from a fresh random base, different each run. ``None`` reads :data:`SEED_ENV_VAR` and
+    :data:`DRAWS_ENV_VAR`."""
+    if seed is None and os.environ.get(SEED_ENV_VAR):
+        seed = int(os.environ[SEED_ENV_VAR])
+    if seed is not None:
+        return [seed]
+    if draws is None:
+        draws = int(os.environ.get(DRAWS_ENV_VAR) or DEFAULT_DRAWS)
+    base = random.Random(int.from_bytes(os.urandom(8), "little"))
+    return [base.randrange(1, 10**9) for _ in range(draws)]
