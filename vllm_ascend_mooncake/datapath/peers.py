@@ -6,11 +6,12 @@ into a :class:`PrefillPeer`, which every request reading that peer then shares; 
 when a read from that peer fails or when a request names a different engine or incarnation, so a
 restarted prefill worker is re-fetched instead of read at stale addresses.
 
-A peer nobody answers for fails fast: before its first metadata request a TCP connect tells a
-closed port (nobody listens: a wrong address, a stopped prefill) from a live one in one round
-trip, and a peer that was found closed or stayed silent through every attempt is not asked again
-for ``cooldown_s``, so requests naming it fail at once instead of each waiting out the timeouts.
-A port that accepts the connection but does not answer (a frozen or busy worker) is asked again.
+A peer nobody answers for fails fast: before its first metadata request a TCP connect tells a closed
+port (nobody listens: a wrong address, a stopped prefill) from a live one in one round trip (an
+unreachable host within one side-channel timeout), and a peer that was found closed or stayed silent
+through every attempt is not asked again for ``cooldown_s``, so requests naming it fail at once
+instead of each waiting out the timeouts. A port that accepts the connection but does not answer (a
+frozen or busy worker) is asked again.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ logger = get_logger(__name__)
 
 # Pauses between metadata fetch attempts (the last value is unused: no retry after it).
 FETCH_BACKOFF_S = (0.2, 1.0, 0.0)
-#: The longest the TCP connect before a peer's first metadata request may take.
-CONNECT_PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,9 @@ class PeerDirectory:
         """Fail at once where nobody listens: ZMQ would wait out the timeouts in silence."""
         host, port = key
         try:
-            with socket.create_connection(key, timeout=CONNECT_PROBE_S):
+            # as long as one side-channel exchange may take: a stalled host is not taken for
+            # an unreachable one sooner than a metadata request would give up on it
+            with socket.create_connection(key, timeout=self._client.timeout_s):
                 return
         except ConnectionRefusedError:
             why = f"nobody listens on {host}:{port} (connection refused)"
@@ -172,7 +173,8 @@ class PeerDirectory:
 
     def _fetch_with_retries(self, host: str, port: int):
         """A busy prefill worker (first request, CPU contention) may miss one exchange; a peer
-        silent through every attempt, or refusing, is marked down for ``cooldown_s``."""
+        silent through every attempt is marked down for ``cooldown_s``, a refusal is not retried
+        (asking again would get the same answer)."""
         for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
             try:
                 return self._client.fetch_metadata(host, port)

@@ -266,6 +266,7 @@ class SideChannelClient:
     def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
         self._signer = FrameSigner(secret) if secret else None
         self._context = zmq.Context.instance()
+        self.timeout_s = timeout_s
         self._timeout_ms = int(timeout_s * 1000)
         self._local = threading.local()
         self._all_sockets: set[zmq.Socket] = set()
