@@ -371,8 +371,11 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     # requests, with no prefill hold that could expire meanwhile (a P/D request queued past
     # release_timeout_s finds its KV released and is recomputed). The leaving requests are seen
     # queued while at least one of those batches still waits: that margin is whole batches of
-    # long generations, however fast this machine decodes (one batch alone ran out on a fast one).
-    queued_batches = 4
+    # long generations, however fast this machine decodes (one batch alone ran out on a fast one;
+    # with 4 queued batches, a machine decoding 440 tokens/s drained them about as fast as its
+    # API server admitted them, and fewer than 6 were ever seen waiting): queue 10, wait for 3.
+    queued_batches = 10
+    seen_waiting_batches = 3
     with concurrent.futures.ThreadPoolExecutor((1 + queued_batches) * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
@@ -386,7 +389,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
         wait_for_gauge(
             decode,
             "vllm:num_requests_waiting",
-            (queued_batches - 1) * MAX_NUM_SEQS,
+            seen_waiting_batches * MAX_NUM_SEQS,
             "nothing queued",
         )
         leaving = [LeavingClient(proxy_url, name, f"{PROMPT} leaving {i}") for i in range(3)]

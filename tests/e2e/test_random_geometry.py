@@ -20,12 +20,14 @@ import random
 import httpx
 import pytest
 from pd_checks import (
+    BF16_LOGPROB_BOUND,
     MIN_COMPARED_SHARE,
     assert_clean_transfers,
     assert_exact_ids,
     compared_positions,
     complete_ids,
     hand_off,
+    largest_deviation,
     metric,
     prompt_ids,
 )
@@ -41,6 +43,16 @@ TEXT = " ".join(f"word{i} the quick brown fox jumps over {i} lazy dogs" for i in
 MAX_MODEL_LEN = 512
 LONGEST_PROMPT = 400
 REFERENCE_SALT = "colocated"
+#: MLA's bfloat16 bound. On vLLM CPU's MLA backend colocated cannot take decode's path (CPU_MLA
+#: disables prefix caching): it computes the last prompt token with the prefill kernel (SDPA over
+#: up-projected K/V) where decode, after a pull, runs the absorbed decode kernel, and the two
+#: drift apart layer by layer. Largest |logprob - colocated| measured: 0.18-0.36 with 2 layers and
+#: 8 heads (test_mla.py), 0.615 and 0.621 with 3-4 layers and 4 heads (seeds 204591871 and
+#: 307999940, which failed the plain bfloat16 bound of 0.5 in CI; every pull succeeded and the
+#: negative control held), 0.370, 0.493 and 0.535 (seeds 19, 17, 24). 1.0 is four steps of
+#: bfloat16's 0.25 spacing at these logits; wrong KV moves logprobs by several units and flips
+#: greedy tokens that are no near-tie.
+MLA_LOGPROB_BOUND = 1.0
 
 
 def prompt_lengths(draw: GeometryDraw) -> list[int]:
@@ -66,7 +78,9 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
         log_dir=str(tmp_path),
     )
     exact = draw.dtype == "float32"
+    bound = MLA_LOGPROB_BOUND if draw.is_mla else BF16_LOGPROB_BOUND
     compared = total = 0
+    deviations: list[float] = []
 
     def check(actual: dict, expected: dict, what: str) -> int:
         nonlocal compared, total
@@ -74,7 +88,8 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
             assert_exact_ids(actual, expected, f"{draw}: {what}")
             matched = len(actual["tokens"])
         else:
-            matched = compared_positions(actual, expected, f"{draw}: {what}")
+            deviations.append(largest_deviation(actual, expected))
+            matched = compared_positions(actual, expected, f"{draw}: {what}", bound)
         compared += matched
         total += len(actual["tokens"])
         return matched
@@ -126,6 +141,8 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
     assert reference[tuple(x)]["tokens"] != reference[tuple(y)]["tokens"], "X and Y answer alike"
     assert decoded["tokens"] != reference[tuple(x)]["tokens"], "decode recomputed prompt X"
     assert check(decoded, reference[tuple(y)], "X with Y's KV") >= 1
+    if deviations:
+        print(f"[random geometry] {draw}: largest |logprob - colocated| {max(deviations):.3f}")
     assert compared >= MIN_COMPARED_SHARE * total, (
         f"{draw}: only {compared} of {total} positions compared before near-ties diverged"
     )
