@@ -9,7 +9,8 @@ that speaks vLLM's example-proxy protocol, and a negative control proves decode 
 pulled KV, not its own recompute. The reference is decode's own colocated answer to the same
 prompt asked a second time (its prefix cache then serves all but the last token, the path decode
 takes after a pull; a cache salt keeps those blocks apart from P/D's): equal token for token in
-float32, within ``pd_checks.BF16_LOGPROB_BOUND`` in bfloat16. Every pull must succeed on every
+float32, within ``pd_checks.BF16_LOGPROB_BOUND`` in bfloat16 (``MLA_LOGPROB_BOUND`` for MLA, whose
+colocated answer cannot take decode's kernel path on vLLM CPU). Every pull must succeed on every
 decode rank, both engines stay up and every block comes back.
 """
 
