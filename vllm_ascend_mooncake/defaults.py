@@ -24,6 +24,10 @@ DEFAULT_RELEASE_TIMEOUT_S = 120.0
 DEFAULT_SIDE_CHANNEL_TIMEOUT_S = 10.0
 DEFAULT_CLAIM_WAIT_S = 10.0
 DEFAULT_PREFILL_WAIT_S = 120.0
+#: How long a decode worker's start-up waits for each prefill of ``prefill_side_channels`` to
+#: answer before serving without it (prefill and decode are often started together, and a
+#: prefill's side channel listens once its KV cache is allocated).
+DEFAULT_PAIR_WAIT_S = 120.0
 DEFAULT_READ_RETRIES = 1
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 #: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.

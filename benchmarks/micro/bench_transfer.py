@@ -6,6 +6,9 @@ KV cache as the engines lay it out; a decode rank pulls one request and the time
 read to KV ready (fix-up included) is compared with the transport's ceiling measured in the same
 run: the same bytes, from the same prefill ranks, read as plain 1 MiB descriptors.
 
+``--verify-cost`` runs every case twice, plain and with ``verify_reads`` (each batch's landed
+bytes checked against prefill's checksum), and prints what the check costs.
+
 ``--prefill-block-size N`` gives prefill blocks of ``N`` tokens (one of N and ``--block-size``
 must divide the other): the request then moves token by token, head-major blocks in vLLM CPU's
 vec packing cut through decode's staging buffer, against the same ceiling.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from benchmarks.common import (
     add_json_arg,
@@ -54,6 +57,7 @@ class Result:
     ratio: float
     target: float
     meets_target: bool
+    verify_reads: bool = False
 
 
 def layout_label(layout: str) -> str:
@@ -137,6 +141,7 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> 
         ratio=ratio,
         target=TARGETS[kind],
         meets_target=ratio >= TARGETS[kind],
+        verify_reads=case.verify_reads,
     )
 
 
@@ -171,6 +176,11 @@ def main() -> int:
         type=int,
         default=1024,
         help="split descriptors above this size (0: never)",
+    )
+    parser.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="run every case plain and with verify_reads, and report what the check costs",
     )
     add_json_arg(parser)
     args = parser.parse_args()
@@ -223,17 +233,28 @@ def main() -> int:
                     verify=False,
                     ceiling_bytes=full + (64 << 20),  # staged slices read whole blocks
                 )
-                result = run_case(workers, case, args.repeats, args.table, args.tokens)
-                results.append(result)
-                print(
-                    f"{result.layout:20} Tp{prefill_tp}->Td{decode_tp}: "
-                    f"{result.mib_per_decode_rank:7.1f} MiB/rank, {result.descriptors:5d} desc, "
-                    f"ours {result.ours_s * 1e3:7.1f} ms (fix-up {result.fixup_s * 1e3:5.1f}), "
-                    f"ceiling {result.ceiling_s * 1e3:7.1f} ms,"
-                    f" ratio {result.ratio:.2f} (target {result.target:.2f}"
-                    f"{'' if result.meets_target else ', MISSED'})",
-                    flush=True,
-                )
+                plain = None
+                for verify_reads in (False, True) if args.verify_cost else (False,):
+                    case = replace(case, verify_reads=verify_reads)
+                    result = run_case(workers, case, args.repeats, args.table, args.tokens)
+                    results.append(result)
+                    cost = (
+                        f", verify_reads costs {result.ours_s / plain.ours_s:.2f}x"
+                        if plain is not None
+                        else ""
+                    )
+                    plain = plain or result
+                    print(
+                        f"{result.layout:20} Tp{prefill_tp}->Td{decode_tp}"
+                        f"{' verified' if verify_reads else ''}: "
+                        f"{result.mib_per_decode_rank:7.1f} MiB/rank, "
+                        f"{result.descriptors:5d} desc, ours {result.ours_s * 1e3:7.1f} ms "
+                        f"(fix-up {result.fixup_s * 1e3:5.1f}), "
+                        f"ceiling {result.ceiling_s * 1e3:7.1f} ms,"
+                        f" ratio {result.ratio:.2f} (target {result.target:.2f}"
+                        f"{'' if result.meets_target else ', MISSED'}){cost}",
+                        flush=True,
+                    )
     finally:
         for worker in workers[0] + workers[1]:
             worker.close()

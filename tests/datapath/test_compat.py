@@ -172,3 +172,30 @@ def test_block_sizes_that_cannot_be_mapped_are_named(decode_block, order, messag
     )
     with pytest.raises(IncompatiblePeerError, match=message):
         check_peer(decode, metadata(2, 2, order=order), TOPO)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [f for f in ModelIdentity.__struct_fields__ if f not in ("model", "block_size")],
+)
+def test_every_identity_field_that_differs_is_refused_naming_both_values_and_the_fix(
+    field,
+) -> None:
+    """Issue #26 item 4: one refusal per identity field, each with both sides' values and what
+    to change (the flag, or "the same model")."""
+    value = getattr(IDENTITY, field)
+    other = (
+        (not value) if isinstance(value, bool) else (value + 1 if isinstance(value, int) else "x")
+    )
+    remote = metadata(2, 2, identity=msgspec.structs.replace(IDENTITY, **{field: other}))
+    with pytest.raises(IncompatiblePeerError) as refused:
+        check_peer(metadata(4, 1), remote, TOPO)
+    message = str(refused.value)
+    assert f"{field} {other!r} on prefill vs {value!r} on decode" in message
+    assert "start both instances with the same " in message
+
+
+def test_prefill_pipeline_parallelism_is_refused() -> None:
+    remote = msgspec.structs.replace(metadata(2, 2), pp_size=2)
+    with pytest.raises(IncompatiblePeerError, match="pipeline parallelism 2 is not supported"):
+        check_peer(metadata(4, 1), remote, TOPO)

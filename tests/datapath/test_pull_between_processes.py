@@ -249,6 +249,44 @@ def test_blocks_of_different_sizes_land_token_by_token_between_processes(
     assert_clean_pulls(case, requests, outcomes, finished)
 
 
+VERIFIED_CASES = [
+    # name, heads, prefill TP, decode TP, layout, prefill block, decode block, CPU packing
+    ("verified-merge-hm", 4, 2, 1, "vllm_head_major", 16, 16, None),
+    ("verified-slice-tm", 4, 1, 2, "vllm_token_major", 16, 16, None),
+    ("verified-mla", 1, 4, 2, "mla", 16, 16, None),
+    ("verified-mixed-hm", 4, 2, 1, "vllm_head_major", 16, 32, "vec"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,heads,prefill_tp,decode_tp,layout,prefill_block,decode_block,cpu_packing",
+    VERIFIED_CASES,
+)
+def test_verified_pulls_over_mooncake_pass_their_checksums(
+    workers, name, heads, prefill_tp, decode_tp, layout, prefill_block, decode_block, cpu_packing
+):
+    """``verify_reads`` over real Mooncake between processes: every batch's landed bytes match
+    prefill's checksum (merges, slices, MLA latents, staged rows), so the check never fails a
+    right pull; the bytes are also compared with the reference as in every other case."""
+    case = CaseSpec(
+        name=name,
+        heads=heads,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        layout=layout,
+        block_size=decode_block,
+        prefill_block_size=prefill_block,
+        cpu_packing=cpu_packing,
+        base_port=free_port_range(prefill_tp),
+        seed=zlib.crc32(name.encode()) % 1000,
+        staging_bytes=3 * 4 * 32 * 64,
+        verify_reads=True,
+    )
+    requests = make_mixed_requests(case, random.Random(case.seed), 6)
+    outcomes, finished = run_case(workers, case, requests)
+    assert_clean_pulls(case, requests, outcomes, finished)
+
+
 def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> None:
     """kill -9 a prefill worker while decode reads from it (about 200,000 tiny descriptors keep
     the read in flight for seconds): the request fails within the transport's timeout, no

@@ -198,7 +198,9 @@ class Prefill:
             block_size,
             sum(mla_widths) or HEAD_SIZE,
         )
-        self.sender = PrefillSender(meta, self.tracker, HOST, port)
+        self.sender = PrefillSender(
+            meta, self.tracker, HOST, port, memory=LocalMemory.from_tensors(self.cache.tensors)
+        )
 
     def close(self) -> None:
         self.sender.close()
@@ -896,3 +898,46 @@ def test_a_pull_whose_kv_is_held_never_waits_behind_early_pulls() -> None:
         d.check_blocks(c.ref, [10, 11], [9, 10])
     finally:
         c.close()
+
+
+# -- the end-to-end integrity check (verify_reads), issue #27 item 3 ---------------------------
+
+VERIFIED = dataclasses.replace(FAST, verify_reads=True)
+
+
+@pytest.mark.parametrize(
+    "heads, prefill_tp, decode_tp, token_major",
+    [(4, 2, 1, False), (4, 1, 2, True), (2, 4, 2, False), (4, 2, 4, False)],
+)
+def test_verified_pulls_of_every_topology_are_byte_exact(
+    cluster, heads, prefill_tp, decode_tp, token_major
+) -> None:
+    """Merges, slices through staging, replicated heads: no verified pull fails falsely."""
+    c = cluster(heads, prefill_tp, decode_tp, token_major=token_major, options=VERIFIED)
+    local, remote = [3, 4, 5, 9], [6, 7, 8, 2]
+    c.pull("r1", local, remote)
+    for decode in c.decode:
+        decode.wait(["r1"])
+        assert decode.done == {"r1"} and not decode.failed, decode.failed
+        decode.check_blocks(c.ref, local, remote)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_bytes_corrupted_in_flight_fail_the_verified_pull(cluster, verify) -> None:
+    """The transport reports success while one bit of the bytes it landed flipped. Verified,
+    the pull fails (vLLM recomputes or errors the request) and prefill frees its hold; without
+    the check the same pull is reported loaded with the wrong byte: the negative control."""
+    c = cluster(4, prefill_tp=1, decode_tp=1, options=VERIFIED if verify else FAST)
+    (decode,), (prefill,) = c.decode, c.prefill
+    decode.transport.corrupt_reads(1)
+    local, remote = [4, 5, 6], [0, 1, 2]
+    c.pull("r1", local, remote)
+    decode.wait(["r1"])
+    if verify:
+        assert not decode.done
+        assert "the bytes that landed differ from prefill's" in decode.failed["r1"].reason
+        assert c.freed(prefill, "r1") and prefill.notices == [("t-r1", 0, False)]
+    else:
+        assert decode.done == {"r1"}
+        with pytest.raises(AssertionError, match="is wrong"):
+            decode.check_blocks(c.ref, local, remote)

@@ -286,3 +286,37 @@ def test_a_lease_is_bound_to_its_reader_and_nobody_else_can_end_it() -> None:
     assert t.claim("r", 0, reader="decode-a").status == "granted"  # renewal
     assert t.read_done("r", 0, True, reader="decode-a") is True
     assert t.take_finished() == {"r"}
+
+
+def test_a_router_keeps_a_hold_nobody_claimed_yet_within_the_cap() -> None:
+    """Issue #27 item 4: a decode request queued past ``release_timeout_s`` used to find its KV
+    released (HTTP 500 or a recompute); the proxy's ``KeepHold`` renews the hold meanwhile, never
+    past the cap, and learns when to stop."""
+    t, clock, _ = tracker(timeout=10.0)
+    assert t.keep("r").status == "pending"  # prefill registers the hold one step later
+    t.hold("r")
+    clock.now = 8.0
+    kept = t.keep("r")
+    assert (kept.status, kept.lease_s) == ("held", 10.0)
+    clock.now = 15.0  # past the deadline the hold had without the renewal
+    assert t.take_finished() == set()
+    assert t.claim("r", 0).status == "granted"  # the queued decode request reads it
+    for step in range(8, 50):  # renewals alone cannot pin the blocks either
+        clock.now = step * 2.0
+        if t.keep("r").status != "held":
+            break
+    refused = t.keep("r")
+    assert refused.status == "refused" and "release timeouts" in refused.reason
+    assert clock.now <= MAX_HOLD_TIMEOUTS * 10.0 + 2.0
+    assert t.take_finished() == {"r"} and t.take_expired_count() == 1
+
+
+def test_a_kept_hold_ends_when_its_readers_are_done_and_renewals_stop() -> None:
+    t, _, _ = tracker(timeout=10.0)
+    t.hold("r")
+    assert t.keep("r").status == "held"
+    t.read_done("r", 0, True)
+    t.read_done("r", 1, True)
+    assert t.take_finished() == {"r"}
+    refused = t.keep("r")
+    assert refused.status == "refused" and "read or released" in refused.reason

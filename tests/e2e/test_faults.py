@@ -11,7 +11,10 @@ overlapped and with serial legs.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -24,6 +27,7 @@ from vllm_ascend_mooncake.connector.config import SECRET_ENV
 from vllm_ascend_mooncake.connector.params import release_target
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
+from vllm_ascend_mooncake.launch.servers import process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -102,6 +106,12 @@ class LeavingClient:
         finally:
             self._socket.close()
         return b'"choices"' in received or b"[DONE]" in received
+
+
+def signal_all(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def usage(url: str) -> float:
@@ -279,6 +289,43 @@ def test_decode_that_never_reads_is_released_by_prefill(deployment) -> None:
         assert time.monotonic() < deadline, "prefill does not hold the handed-off blocks"
         time.sleep(0.2)
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
+
+
+def test_a_decode_request_queued_past_the_release_timeout_keeps_its_kv(
+    deployment, proxy_url
+) -> None:
+    """Issue #27 item 4: a decode request that waits in decode's queue longer than prefill's
+    ``release_timeout_s`` found its KV released (HTTP 500, or a recompute). Decode's engine is
+    frozen here (its API server keeps accepting requests) for 1.5 release timeouts after prefill
+    answered, so the request waits and nothing claims meanwhile, as in a full queue, whatever the
+    machine's speed; the proxy renews prefill's hold, and once the engine runs it pulls the KV:
+    the answer is right, no pull failed (none recomputed), no block was released by timeout."""
+    pd, _, name, reference = deployment
+    before = settled_totals(pd)
+    prompts_before = gauge(pd.prefill.base_url, "vllm:prompt_tokens_total")
+    engine = [pid for pid in process_group_members(pd.decode.pid) if pid != pd.decode.pid]
+    assert engine, "decode runs no engine process of its own"
+    signal_all(engine, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(completion, proxy_url, name, PROMPT)
+            wait_for_gauge(
+                pd.prefill.base_url,
+                "vllm:prompt_tokens_total",
+                prompts_before + 1,
+                "prefill never computed the prompt",
+            )
+            time.sleep(1.5 * RELEASE_TIMEOUT_S)  # the fault's length, not a wait for speed
+            signal_all(engine, signal.SIGCONT)
+            assert tokens(answer.result()) == reference[PROMPT]
+    finally:
+        signal_all(engine, signal.SIGCONT)
+    after = settled_totals(pd)
+    assert after["failed"] == before["failed"], f"a pull failed; see {pd.log_dir}"
+    assert after["expired"] == before["expired"], f"prefill released by timeout; {pd.log_dir}"
+    assert after["successful"] == before["successful"] + 1
+    assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
+    wait_no_blocks_in_use(pd.prefill.base_url, 30)
 
 
 def test_killed_prefill_then_restart_under_the_same_engine_id(deployment) -> None:

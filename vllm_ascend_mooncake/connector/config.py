@@ -38,6 +38,7 @@ from ..defaults import (
 from ..defaults import (
     DEFAULT_MAX_DESCRIPTORS_PER_BATCH as DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
 )
+from ..defaults import DEFAULT_PAIR_WAIT_S
 from ..defaults import (
     DEFAULT_PREFILL_WAIT_S as DEFAULT_PREFILL_WAIT_S,
 )
@@ -174,6 +175,10 @@ class ConnectorConfig:
     block_reads_from_kib: int
     receiver_threads: int
     staging_buffer_mib: int
+    #: decode: the prefill instances to pair with at start-up (``host:port,...``; "": none)
+    verify_reads: bool = False
+    prefill_side_channels: str = ""
+    pair_wait_s: float = DEFAULT_PAIR_WAIT_S
     read_wait: str = default_read_wait(FALLBACK_PROTOCOL)
     transport: str = DEFAULT_TRANSPORT
     #: in an engine step that runs no tokens, how long a worker waits for a transfer to end

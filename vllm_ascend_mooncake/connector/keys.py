@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..datapath.pairing import parse_endpoints
 from ..datapath.transport import TRANSPORTS
 from ..defaults import (
     DEFAULT_CLAIM_PARK_S,
@@ -17,6 +18,7 @@ from ..defaults import (
     DEFAULT_DEVICE_NAME,
     DEFAULT_IDLE_STEP_WAIT_MS,
     DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+    DEFAULT_PAIR_WAIT_S,
     DEFAULT_PREFILL_WAIT_S,
     DEFAULT_PROTOCOLS,
     DEFAULT_READ_RETRIES,
@@ -62,6 +64,22 @@ class Bound:
 POSITIVE = Bound("> 0", lambda value: value > 0)
 NON_NEGATIVE = Bound(">= 0", lambda value: value >= 0)
 PORT = Bound("a port number, 1 to 65535", lambda value: 1 <= value <= 65535, "1 to 65535")
+
+
+def _endpoints_ok(text: str) -> bool:
+    try:
+        parse_endpoints(text)
+    except ValueError:
+        return False
+    return True
+
+
+ENDPOINTS = Bound(
+    "comma-separated host:port",
+    _endpoints_ok,
+    "comma-separated `host:port`",
+    "{where} must be comma-separated host:port entries (IPv6 hosts in brackets), got {value!r}",
+)
 
 
 def one_of(values: tuple[str, ...], refusal: str = "") -> Bound:
@@ -252,6 +270,28 @@ KEYS: tuple[Key, ...] = (
         bound=PORT,
     ),
     Key(
+        "prefill_side_channels",
+        str,
+        "",
+        "decode only: the prefill instances this decode instance reads, as their "
+        "`side_channel_host:side_channel_port`; decode pairs with every worker of each at "
+        "start-up.",
+        "A prefill it cannot read (another model or dtype, block sizes neither dividing the "
+        "other, TP sizes that do not pair, ...) stops decode's start-up with the reason and "
+        "what to change, instead of failing its first request with HTTP 500; one that does "
+        "not answer within `pair_wait_s` is paired on its first request (warning). Empty: "
+        "every prefill is paired on its first request. Prefills not listed are still served.",
+        bound=ENDPOINTS,
+    ),
+    Key(
+        "pair_wait_s",
+        float,
+        DEFAULT_PAIR_WAIT_S,
+        "how long decode's start-up waits for each prefill of `prefill_side_channels` to answer.",
+        unit="s",
+        bound=POSITIVE,
+    ),
+    Key(
         "release_timeout_s",
         float,
         DEFAULT_RELEASE_TIMEOUT_S,
@@ -318,6 +358,7 @@ KEYS: tuple[Key, ...] = (
         "max_descriptors_per_batch",
         int,
         DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
+        DEFAULT_PAIR_WAIT_S,
         "cap on descriptors per read call.",
         "Mooncake's TCP transport rejects batches past about 2,000 outstanding descriptors per "
         "peer.",
@@ -354,6 +395,19 @@ KEYS: tuple[Key, ...] = (
         unit="KiB",
         bound=NON_NEGATIVE,
         as_default=Bound("< 0", lambda value: value < 0),
+    ),
+    Key(
+        "verify_reads",
+        bool,
+        False,
+        "decode only: check every read batch end to end before the pull is reported: decode "
+        "compares the checksum of the bytes that landed with prefill's checksum of the bytes it "
+        "serves.",
+        "A mismatch (corruption in flight, bytes that landed elsewhere, blocks changed under the "
+        "read) fails the pull, counted and logged, instead of loading wrong KV. It costs a "
+        "side-channel round trip per batch and a checksum pass over the bytes on both sides, "
+        "on the KV's own device (benchmarks/README.md); both sides must run a version that "
+        "knows it.",
     ),
     Key(
         "receiver_threads",

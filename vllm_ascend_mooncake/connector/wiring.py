@@ -92,6 +92,7 @@ def receiver_options(config: ConnectorConfig) -> ReceiverOptions:
         prefill_wait_s=config.prefill_wait_s,
         claim_park_s=config.claim_park_s,
         read_retries=config.read_retries,
+        verify_reads=config.verify_reads,
     )
 
 
@@ -156,7 +157,14 @@ def build_prefill_side(
     transport.register(storage_ranges(memory.tensors))
     metadata = _metadata(who, transport, memory.regions)
     tracker = SendTracker(topology, who.tp_rank, settings.release_timeout_s)
-    sender = PrefillSender(metadata, tracker, settings.host, settings.port, secret=settings.secret)
+    sender = PrefillSender(
+        metadata,
+        tracker,
+        settings.host,
+        settings.port,
+        secret=settings.secret,
+        memory=LocalMemory.from_tensors(memory.tensors),  # what integrity checks read
+    )
     return PrefillSide(sender, metadata)
 
 

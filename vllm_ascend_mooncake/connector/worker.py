@@ -16,6 +16,7 @@ from typing import Any
 from ..core.layout import ChunkPacking, head_chunk_token_bytes, packing_text
 from ..core.packing import chunk_packing
 from ..datapath.orders import StepOrders
+from ..datapath.pairing import pair_with_prefills, parse_endpoints
 from ..datapath.receiver import Receiver
 from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 from ..datapath.sender import PrefillSender
@@ -177,6 +178,19 @@ class ConnectorWorker:
                 who, topology, self.transport, memory, decode_settings(config, local)
             )
             self.receiver, metadata = self._decode.receiver, self._decode.metadata
+            endpoints = parse_endpoints(config.prefill_side_channels)
+            if endpoints:
+                try:
+                    paired = pair_with_prefills(self._decode.peers, endpoints, config.pair_wait_s)
+                except Exception:
+                    self._decode.close()  # this engine does not start: nothing may stay open
+                    raise
+                logger.info(
+                    "decode worker %d paired with %d prefill worker(s) of %d listed instance(s)",
+                    self.tp_rank,
+                    len(paired),
+                    len(endpoints),
+                )
         regions = memory.regions
         defect = mla_plain_rope_on_cpu(vllm_config.model_config, current_platform.device_type)
         if defect and self.tp_rank == 0:

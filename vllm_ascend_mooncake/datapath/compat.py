@@ -14,6 +14,19 @@ from .wire import WorkerMetadata
 #: when one divides the other (checked below; the regions say whether their blocks can be split).
 _NAMES_ONLY = ("model", "block_size")
 
+#: What an operator changes when an identity field differs: the first sentence of the fix.
+_FIX_BY_FIELD = {
+    "dtype": "--dtype",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "head_size": "model",
+    "num_kv_heads": "model",
+    "num_layers": "model",
+    "is_mla": "model",
+    "model_config": "model",
+    "attention_backend": "attention backend (same device type and, on CPU, same ISA)",
+    "vllm_version": "vLLM version",
+}
+
 
 class IncompatiblePeerError(ValueError):
     """The prefill and decode workers cannot exchange KV (different model, layout, geometry)."""
@@ -22,13 +35,20 @@ class IncompatiblePeerError(ValueError):
 def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: TransferTopology) -> None:
     """Raise :class:`IncompatiblePeerError` unless decode ``local`` can read prefill ``remote``."""
     peer = f"prefill engine {remote.engine_id} rank {remote.tp_rank}"
-    problems = [
-        f"{field} {getattr(remote.identity, field)!r} on prefill vs "
-        f"{getattr(local.identity, field)!r} on decode"
+    differing = [
+        field
         for field in remote.identity.__struct_fields__
         if field not in _NAMES_ONLY
         and getattr(remote.identity, field) != getattr(local.identity, field)
     ]
+    problems = [
+        f"{field} {getattr(remote.identity, field)!r} on prefill vs "
+        f"{getattr(local.identity, field)!r} on decode"
+        for field in differing
+    ]
+    fixes = list(
+        dict.fromkeys(f"the same {_FIX_BY_FIELD.get(field, field)}" for field in differing)
+    )
     remote_block, local_block = remote.identity.block_size, local.identity.block_size
     if min(remote_block, local_block) < 1 or (
         remote_block % local_block and local_block % remote_block
@@ -37,10 +57,13 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
             f"block_size {remote_block} on prefill vs {local_block} on decode: neither divides "
             f"the other"
         )
+        fixes.append("--block-size values where one divides the other")
     if problems:
         problems.append(
             f"prefill serves {remote.identity.model!r}, decode {local.identity.model!r}"
         )
+    if fixes:
+        problems.append("start both instances with " + " and ".join(fixes))
     if remote.tp_size != topology.prefill_tp:
         problems.append(
             f"prefill runs TP {remote.tp_size} but this decode instance is configured for "

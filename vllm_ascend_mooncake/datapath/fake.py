@@ -4,8 +4,8 @@ Every :class:`InProcessTransport` of a process is listed in a module-level regis
 ``session``, so a decode-side transport finds a prefill-side one exactly as Mooncake does, by the
 session its peer advertises. A read checks that the peer exists and is open and that every range,
 remote and local, lies inside registered memory (the bounds Mooncake enforces), then copies with
-``memmove``. Tests inject failures (settled or not), a per-read delay, and count reads and
-descriptors.
+``memmove``. Tests inject failures (settled or not), corrupted bytes, a per-read delay, and count
+reads and descriptors.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class InProcessTransport:
         self._closed = False
         #: seconds every read sleeps before copying (a slow link)
         self.delay_s = 0.0
+        #: reads still to corrupt (:meth:`corrupt_reads`)
+        self._corruptions = 0
         #: read calls (failed ones included), their descriptors, and the bytes that landed
         self.num_reads = 0
         self.num_descriptors = 0
@@ -67,6 +69,12 @@ class InProcessTransport:
         ``count`` is None) raise :class:`TransferError`, or :class:`UnsettledTransfer`."""
         with self._lock:
             self._faults.append(_Fault(count, peer, unsettled))
+
+    def corrupt_reads(self, count: int = 1) -> None:
+        """Make the next ``count`` reads that succeed land one flipped bit (in the last byte of
+        their first descriptor): a corruption in flight no transport error reports."""
+        with self._lock:
+            self._corruptions += count
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -162,6 +170,11 @@ class InProcessTransport:
             ctypes.memmove(int(local), int(remote), int(length))
         with self._lock:
             self.num_bytes += sum(int(length) for length in lengths)
+            corrupt = self._corruptions > 0 and len(lengths) > 0
+            self._corruptions -= corrupt
+        if corrupt:
+            last = ctypes.c_uint8.from_address(int(local_addrs[0]) + int(lengths[0]) - 1)
+            last.value ^= 0x10
 
     def close(self) -> None:
         with _registry_lock:

@@ -60,6 +60,7 @@ from .orders import PullOrder
 from .peers import PeerDirectory, PrefillPeer
 from .side_channel import PeerRefused, SideChannelClient, SideChannelError
 from .transport import TransferError, Transport, UnsettledTransfer
+from .verify import IntegrityError, check_digest, landed_checksum, verify_request
 from .wire import ClaimRead, ClaimReply, ReadDone, bounded_text
 
 logger = get_logger(__name__)
@@ -93,6 +94,8 @@ class ReceiverOptions:
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
     notify_attempts: int = 4  # read-done deliveries tried per peer before the prefill's deadline
     notify_backoff_s: float = 1.0  # wait before retry n is n times this
+    #: compare every read batch's checksum with prefill's before reporting (:mod:`.verify`)
+    verify_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -611,6 +614,8 @@ class Receiver:
             self._claim(pull, peer)  # waited long in the queue: renew before reading
         for batch in peer_plan.batches:
             self._read_batch(peer.transport_session, batch)
+            if self._options.verify_reads:
+                self._verify_batch(pull, peer, batch)
             if batch.after_landing:
                 apply_row_copies(self._memory, batch.after_landing)
                 # The next batch's read reuses the staging bytes these copies read.
@@ -621,6 +626,23 @@ class Receiver:
                 f"the read outlasted its {peer.lease_s:.0f} s lease: prefill may already have "
                 f"reused the blocks"
             )
+
+    def _verify_batch(self, pull: PullOrder, peer: _Peer, batch: TransferBatch) -> None:
+        """Fail the pull unless the landed bytes are prefill's (before anything moves them)."""
+        self._memory.fence()
+        local = landed_checksum(self._memory, batch.local_addrs, batch.lengths)
+        question = verify_request(
+            pull.transfer_id,
+            self._rank,
+            self._peers.local.incarnation,
+            batch.remote_addrs,
+            batch.lengths,
+        )
+        try:
+            reply = self._client.request(peer.host, peer.port, question)
+        except SideChannelError as exc:
+            raise IntegrityError(f"prefill rank {peer.rank} could not be asked: {exc}") from exc
+        check_digest(reply, local, f"{len(batch)} range(s) read from prefill rank {peer.rank}")
 
     def _read_batch(self, transport_session: str, batch: TransferBatch) -> None:
         for attempt in range(self._options.read_retries + 1):

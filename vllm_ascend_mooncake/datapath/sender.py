@@ -19,7 +19,9 @@ once instead of waiting for a prefill that will never come.
 
 A decode rank's lease belongs to the reader it was first granted to (the decode worker's
 incarnation): nobody else can renew it or end it with a read-done notice. However often it is
-renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all.
+renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all. A router may
+renew a hold nobody leased yet (``KeepHold``: its decode request waits in decode's queue, where
+vLLM tells the connector nothing), within the same bound.
 
 Decode instances of any TP size this prefill can pair with may read it: the readers a transfer
 waits for are those of the configured ``decode.tp_size`` until the first claim or notice for it
@@ -42,8 +44,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..core.relayout import LocalMemory
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
 from ..log import get_logger
+from . import verify
 from .side_channel import Park, SideChannelServer
 from .wire import (
     Ack,
@@ -51,8 +55,10 @@ from .wire import (
     ClaimReply,
     ErrorReply,
     GetMetadata,
+    KeepHold,
     Message,
     ReadDone,
+    VerifyRead,
     WorkerMetadata,
 )
 
@@ -294,6 +300,40 @@ class SendTracker:
                 num_prompt_tokens=held.num_prompt_tokens,
             )
 
+    def leased_blocks(
+        self, transfer_id: str, decode_rank: int, reader: str
+    ) -> tuple[int, ...] | str:
+        """The blocks ``reader`` holds ``decode_rank``'s lease of ``transfer_id`` on, or why it
+        holds none (what :mod:`.verify` lets a reader ask about)."""
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None:
+                return f"transfer {transfer_id} is not held here"
+            if not reader or held.lessees.get(decode_rank) != reader:
+                return f"decode rank {decode_rank}'s lease is not this reader's"
+            return held.block_ids
+
+    def keep(self, transfer_id: str) -> ClaimReply:
+        """Hold ``transfer_id`` another release timeout from now, never past its overall bound
+        (:data:`MAX_HOLD_TIMEOUTS`): a router's renewal while its decode request is queued."""
+        now = self._clock()
+        with self._lock:
+            if self._suspended is not None:
+                return ClaimReply("refused", reason=self._suspended)
+            held = self._held.get(transfer_id)
+            if held is None:
+                if transfer_id in self._released:
+                    return ClaimReply("refused", reason="it was read or released already")
+                return ClaimReply("pending", reason="prefill does not hold it (yet)")
+            held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
+            if held.deadline <= now:
+                return ClaimReply(
+                    "refused",
+                    reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
+                    f"longest any transfer is held",
+                )
+            return ClaimReply("held", lease_s=held.deadline - now)
+
     def read_done(
         self,
         transfer_id: str,
@@ -433,9 +473,12 @@ class PrefillSender:
         host: str,
         port: int,
         secret: bytes | None = None,
+        memory: LocalMemory | None = None,
     ) -> None:
         self.metadata = metadata
         self.tracker = tracker
+        #: the registered KV memory, which integrity checks read (None: they are refused)
+        self._memory = memory
         self._server = SideChannelServer(
             host, port, self._handle, name=f"vam-sender-{port}", secret=secret
         )
@@ -468,6 +511,14 @@ class PrefillSender:
                 wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
                 return Park(time.monotonic() + wait_s, reply, key=message.request_id)
             return reply
+        if isinstance(message, KeepHold):
+            return self.tracker.keep(message.request_id)
+        if isinstance(message, VerifyRead):
+            blocks = self.tracker.leased_blocks(
+                message.request_id, message.decode_rank, message.reader
+            )
+            reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
+            return ErrorReply(reply) if isinstance(reply, str) else reply
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)
             if stale is not None:

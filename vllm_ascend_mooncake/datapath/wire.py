@@ -197,6 +197,42 @@ class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     decode_tp: int = -1  # the reader's TP size (-1: the prefill's configured decode TP)
 
 
+class KeepHold(msgspec.Struct, tag="keep_hold", frozen=True):
+    """Keep a transfer's blocks held another release timeout (within the hold's overall bound):
+    sent by a router while the decode request it handed the transfer to may still be waiting in
+    decode's queue, where vLLM gives the connector no hook. Prefill answers with a
+    :class:`ClaimReply`: ``held`` (``lease_s`` left), ``pending`` (not held yet: prefill learns
+    of it one engine step after answering) or ``refused`` (read, released or never held: stop
+    asking)."""
+
+    request_id: Id
+
+
+#: The most ranges one :class:`VerifyRead` names (decode sends one per read batch, whose
+#: descriptors ``max_descriptors_per_batch`` caps).
+MAX_VERIFIED_RANGES = 1 << 16
+#: ``addrs`` and ``lengths`` of a :class:`VerifyRead`: little-endian int64 arrays.
+RangeArray = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_VERIFIED_RANGES)]
+
+
+class VerifyRead(msgspec.Struct, tag="verify_read", frozen=True):
+    """What do these byte ranges of a transfer's blocks hold? (``verify_reads``): decode sends
+    the ranges one read batch took, prefill answers their :mod:`~..core.digest` checksum in a
+    :class:`ReadDigest`, and decode compares it with the bytes that landed. Only the reader
+    holding ``decode_rank``'s lease may ask, and only about the blocks the transfer holds."""
+
+    request_id: Id
+    decode_rank: Rank
+    reader: Id
+    addrs: RangeArray
+    lengths: RangeArray
+
+
+class ReadDigest(msgspec.Struct, tag="read_digest", frozen=True):
+    #: the checksum's 64 bits, little-endian (msgspec bounds ints to int64)
+    checksum: Annotated[bytes, msgspec.Meta(min_length=8, max_length=8)]
+
+
 class Ack(msgspec.Struct, tag="ack", frozen=True):
     pass
 
@@ -205,7 +241,18 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: Text
 
 
-Message = GetMetadata | WorkerMetadata | ClaimRead | ClaimReply | ReadDone | Ack | ErrorReply
+Message = (
+    GetMetadata
+    | WorkerMetadata
+    | ClaimRead
+    | ClaimReply
+    | ReadDone
+    | KeepHold
+    | VerifyRead
+    | ReadDigest
+    | Ack
+    | ErrorReply
+)
 
 
 class Envelope(msgspec.Struct, frozen=True):

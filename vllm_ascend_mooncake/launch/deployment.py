@@ -84,12 +84,24 @@ class DeploymentSpec:
     # transfer, so an instance whose requests only wait for KV takes less CPU from the other's
     # forward (docs/deployment.md, "sharing cores"); the connector's default is 10 ms.
     idle_step_wait_ms: float = 50.0
+    #: Decode pairs with the deployment's prefill at start-up (``prefill_side_channels``), so an
+    #: incompatible pair stops decode's start-up instead of failing its first request.
+    pair_at_start: bool = True
 
 
-def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) -> dict[str, Any]:
+def connector_config(
+    spec: DeploymentSpec, role: str, side_channel_port: int, prefill_address: str = "127.0.0.1"
+) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of one instance; decode's names the prefill it pairs with
+    at start-up (``prefill_address``, ``side_channel_port``) unless ``spec.pair_at_start`` is
+    off."""
     config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": role}
+    pairing: dict[str, Any] = {}
     if role == "kv_consumer":
         config["kv_load_failure_policy"] = spec.decode_failure_policy
+        if spec.pair_at_start:
+            host = f"[{prefill_address}]" if ":" in prefill_address else prefill_address
+            pairing["prefill_side_channels"] = f"{host}:{side_channel_port}"
     elif spec.prefill_engine_id:
         config["engine_id"] = spec.prefill_engine_id
     return {
@@ -100,6 +112,7 @@ def connector_config(spec: DeploymentSpec, role: str, side_channel_port: int) ->
             "side_channel_port": side_channel_port,
             "release_timeout_s": spec.release_timeout_s,
             "idle_step_wait_ms": spec.idle_step_wait_ms,
+            **pairing,
             **spec.extra_connector_config,
         },
     }
@@ -156,7 +169,7 @@ class LocalDeployment:
         spec = replace(self.spec, **overrides) if overrides else self.spec
         producer = role == "kv_producer"
         base_port = self.side_channel_port if side_channel_port is None else side_channel_port
-        config = connector_config(spec, role, base_port)
+        config = connector_config(spec, role, base_port, self.hosts["kv_producer"].address)
         host = self.hosts[role]
         return VllmServer(
             spec.model,
@@ -273,6 +286,8 @@ class LocalDeployment:
             ],
             log_path,
             f"http://{host.address}:{port}/health",
+            # the instances' environment (a side-channel secret: the proxy renews holds)
+            env={**os.environ, **self._env},
         )
 
     def stop(self) -> None:

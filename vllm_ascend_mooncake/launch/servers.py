@@ -102,6 +102,7 @@ def start_helper(
     timeout_s: float = 60.0,
     cwd: str | os.PathLike[str] | None = None,
     what: str = "proxy",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a helper process (a proxy) in a session of its own, its output in ``log_path``, and
     return it once ``health_url`` answers. If it exits or ``timeout_s`` passes first, its process
@@ -111,6 +112,7 @@ def start_helper(
         process = subprocess.Popen(
             list(command),
             cwd=cwd,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -49,6 +49,7 @@ from .health import (
     UpstreamOutcomes,
     readiness,
 )
+from .holds import HoldKeeper
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .payloads import (
     InvalidPrefillResponse,
@@ -112,6 +113,8 @@ class DisaggregatingProxy:
         self.upstreams = UpstreamClient(client, self.metrics, self.outcomes)
         #: set by the app while background health checks run; None when they are off
         self.health_checker: HealthChecker | None = None
+        #: set by the app: renews prefill's hold while a decode request may be queued
+        self.hold_keeper: HoldKeeper | None = None
         #: where each prefill instance's engines serve their KV, learned from their answers
         self.prefill_ranks = PrefillRanks()
 
@@ -295,8 +298,12 @@ class DisaggregatingProxy:
         else:
             trace.transfer_id = kv_transfer_params.get("remote_request_id")
         trace.mark("decode_sent")
-        decode_upstream, decode_response = await self.upstreams.open(
-            self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+        keeping = self._keep_hold(kv_transfer_params)
+        decode_upstream, decode_response = await self._until_answered(
+            keeping,
+            self.upstreams.open(
+                self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+            ),
         )
         trace.mark("decode_answered")
         logger.debug(
@@ -390,7 +397,8 @@ class DisaggregatingProxy:
                     self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
                 )
             )
-        decode_upstream, decode_response = await decode_leg
+        keeping = self._keep_hold(kv_transfer_params)
+        decode_upstream, decode_response = await self._until_answered(keeping, decode_leg)
         trace.mark("decode_answered")
         logger.debug(
             "request %s: %s prefilled on %s alongside decode on %s (transfer %s)",
@@ -403,6 +411,29 @@ class DisaggregatingProxy:
         return await self.upstreams.relay(
             self.decode, decode_upstream, decode_response, request_id, trace
         )
+
+    def _keep_hold(self, kv_transfer_params: dict[str, Any] | None) -> asyncio.Task | None:
+        """Renew prefill's hold on the transfer while the decode leg may wait in decode's
+        queue (:mod:`.holds`)."""
+        if self.hold_keeper is None:
+            return None
+        return self.hold_keeper.keep(kv_transfer_params)
+
+    @staticmethod
+    async def _until_answered(
+        keeping: asyncio.Task | None, decode_leg: Awaitable[tuple[Upstream, httpx.Response]]
+    ) -> tuple[Upstream, httpx.Response]:
+        """The decode leg's answer; the renewals stop when it fails (nobody will read the
+        transfer), and otherwise once prefill says the transfer was read."""
+        try:
+            upstream, response = await decode_leg
+        except BaseException:
+            if keeping is not None:
+                keeping.cancel()
+            raise
+        if keeping is not None and not response.is_success:
+            keeping.cancel()
+        return upstream, response
 
     async def _abandon(self, decode_leg: asyncio.Task) -> None:
         """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""
@@ -447,11 +478,13 @@ def create_app(
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S,
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
     ejection: EjectionPolicy | None = None,
+    renew_holds: bool = True,
 ) -> FastAPI:
     """Build the proxy app for the given prefill and decode instances (base URLs).
 
     ``health_interval_s`` 0 turns the background health checks off; an ejected instance is then
     tried again by one request once its back-off is over. With them on, the probes decide.
+    ``renew_holds``: keep prefill's hold on each transfer until decode read it (:mod:`.holds`).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -484,6 +517,8 @@ def create_app(
             proxy = DisaggregatingProxy(
                 client, prefill, decode, timeout_s, overlap_legs, max_body_bytes
             )
+            if renew_holds:
+                proxy.hold_keeper = HoldKeeper(on_renewal=proxy.metrics.hold_renewals.inc)
             if health_checks:
                 proxy.health_checker = HealthChecker(
                     client, (prefill, decode), proxy.outcomes, health_interval_s, health_timeout_s
@@ -502,6 +537,8 @@ def create_app(
             finally:
                 if proxy.health_checker is not None:
                     await proxy.health_checker.stop()
+                if proxy.hold_keeper is not None:
+                    await proxy.hold_keeper.close()
 
     app = FastAPI(title="vllm-ascend-mooncake P/D proxy", lifespan=lifespan)
 

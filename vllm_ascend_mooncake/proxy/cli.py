@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "legs, the default once a prefill instance has answered, save a round trip)",
     )
     parser.add_argument(
+        "--no-hold-renewal",
+        action="store_true",
+        help="do not renew prefill's hold on a request's KV while its decode request may be "
+        "queued (by default the proxy renews it until decode read it, within prefill's bound of "
+        "4 release timeouts; the side channel's secret is read from VAM_SIDE_CHANNEL_SECRET)",
+    )
+    parser.add_argument(
         "--max-body-mib",
         type=_positive_mib,
         default=DEFAULT_MAX_BODY_BYTES >> 20,
@@ -170,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=args.timeout_s,
             overlap_legs=not args.serial_legs,
             max_body_bytes=args.max_body_mib << 20,
+            renew_holds=not args.no_hold_renewal,
             connect_timeout_s=args.connect_timeout_s,
             health_interval_s=args.health_interval_s,
             health_timeout_s=args.health_timeout_s,

@@ -90,6 +90,11 @@ class ProxyMetrics:
             "or on the engine decode was told",
             registry=self.registry,
         )
+        self.hold_renewals = Counter(
+            "vam_proxy_hold_renewals",
+            "prefill holds renewed while their decode request may have been queued",
+            registry=self.registry,
+        )
         self.ejections = Counter(
             "vam_proxy_ejections",
             "times an instance was taken out of rotation after failing to accept connections "

@@ -77,6 +77,8 @@ class CaseSpec:
     prefill_block_size: int | None = None
     #: "vec", "vec16" or "amx": vLLM CPU's packing of head-major chunks (``vllm_head_major`` only)
     cpu_packing: str | None = None
+    #: decode checks every read batch against prefill's checksum (the ``verify_reads`` key)
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -488,6 +490,7 @@ class _WorkerState:
                     coalesce_runs=case.coalesce_runs,
                     block_reads_from_bytes=case.block_reads_from_bytes,
                     max_descriptor_bytes=case.max_descriptor_bytes,
+                    verify_reads=case.verify_reads,
                 ),
                 staging_bytes=case.staging_bytes,
             ),

@@ -1,0 +1,120 @@
+"""Decode's start-up pairing with the prefills it is told of (``prefill_side_channels``), against
+real prefill side channels on loopback: an incompatible prefill stops start-up with the reason and
+the fix (not a request's HTTP 500 later), a compatible one is paired before any request, a late
+one is waited for, an absent one is left for its first request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+from test_peers import BLOCK_SIZE, HEADS, HOST, TOPOLOGY, CountingClient, directory, metadata
+
+from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError
+from vllm_ascend_mooncake.datapath.pairing import Endpoint, pair_with_prefills, parse_endpoints
+from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
+from vllm_ascend_mooncake.launch.ports import free_port_range
+
+
+@pytest.fixture
+def client():
+    made = CountingClient(timeout_s=2.0)
+    yield made
+    made.close()
+
+
+def start_prefill(port: int, tp_size: int = 1, *, block_size: int = BLOCK_SIZE) -> list:
+    """The side channels of a TP ``tp_size`` prefill instance, on ``port`` and up."""
+    senders = []
+    for rank in range(tp_size):
+        meta = msgspec.structs.replace(
+            metadata("prefill", tp_size, HEADS // tp_size, block_size=block_size), tp_rank=rank
+        )
+        senders.append(PrefillSender(meta, SendTracker(TOPOLOGY, rank, 30.0), HOST, port + rank))
+    return senders
+
+
+def close(senders: list) -> None:
+    for sender in senders:
+        sender.close()
+
+
+def test_endpoints_are_parsed_and_malformed_ones_named() -> None:
+    assert parse_endpoints("") == ()
+    assert parse_endpoints(" 10.0.0.1:36100, [fe80::1]:36200 ,") == (
+        Endpoint("10.0.0.1", 36100),
+        Endpoint("fe80::1", 36200),
+    )
+    for bad in ("10.0.0.1", ":36100", "host:0", "host:65536", "host:port"):
+        with pytest.raises(ValueError, match="is not host:port"):
+            parse_endpoints(f"127.0.0.1:1,{bad}")
+
+
+def test_every_worker_of_a_listed_prefill_is_paired_before_any_request(client) -> None:
+    port = free_port_range(2)
+    senders = start_prefill(port, tp_size=2)
+    try:
+        peers = directory(client)
+        paired = pair_with_prefills(peers, (Endpoint(HOST, port),), wait_s=10.0)
+        assert [peer.metadata.tp_rank for peer in paired] == [0, 1]
+        assert client.fetches == 2
+        # the pulls that follow find both peers paired: no handshake on the request path
+        assert peers.get(HOST, port) is paired[0] and peers.get(HOST, port + 1) is paired[1]
+        assert client.fetches == 2
+    finally:
+        close(senders)
+
+
+def test_an_incompatible_prefill_stops_start_up_naming_both_sides_and_the_fix(client) -> None:
+    port = free_port_range(1)
+    senders = start_prefill(port, block_size=3 * BLOCK_SIZE // 2)  # 24: neither divides 16
+    try:
+        with pytest.raises(IncompatiblePeerError) as refused:
+            pair_with_prefills(directory(client), (Endpoint(HOST, port),), wait_s=10.0)
+        message = str(refused.value)
+        assert f"prefill instance at {HOST}:{port}" in message
+        assert "prefill_side_channels" in message
+        assert "block_size 24 on prefill vs 16 on decode: neither divides the other" in message
+        assert "start both instances with --block-size values where one divides the other" in (
+            message
+        )
+    finally:
+        close(senders)
+
+
+def test_a_listed_port_of_a_later_worker_is_refused(client) -> None:
+    port = free_port_range(2)
+    senders = start_prefill(port, tp_size=2)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="list each prefill instance's side_"):
+            pair_with_prefills(directory(client), (Endpoint(HOST, port + 1),), wait_s=10.0)
+    finally:
+        close(senders)
+
+
+def test_a_prefill_that_starts_later_is_waited_for(client) -> None:
+    port = free_port_range(1)
+    started: list = []
+    timer = threading.Timer(1.0, lambda: started.extend(start_prefill(port)))
+    timer.start()
+    try:
+        paired = pair_with_prefills(directory(client), (Endpoint(HOST, port),), wait_s=30.0)
+        assert started and [peer.metadata.engine_id for peer in paired] == ["prefill"]
+    finally:
+        timer.join()
+        close(started)
+
+
+def test_a_prefill_that_never_answers_is_left_for_its_first_request(client) -> None:
+    port = free_port_range(1)
+    began = time.monotonic()
+    assert pair_with_prefills(directory(client), (Endpoint(HOST, port),), wait_s=0.5) == []
+    assert time.monotonic() - began >= 0.5  # it waited as long as it was told
+    assert client.fetches == 0
+    senders = start_prefill(port)  # it comes up later: its first request pairs it
+    try:
+        assert directory(client).get(HOST, port).engine_id == "prefill"
+    finally:
+        close(senders)

@@ -1,0 +1,115 @@
+"""The integrity check's pieces: the checksum against a plain-Python definition, and what prefill
+agrees to checksum (the lessee only, the transfer's blocks only). The check end to end, with
+bytes corrupted in flight, is in test_receiver.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ascend_mooncake.core import digest
+from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+from vllm_ascend_mooncake.core.relayout import LocalMemory
+from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.sender import SendTracker
+from vllm_ascend_mooncake.datapath.verify import (
+    IntegrityError,
+    answer,
+    check_digest,
+    ranges_outside,
+    verify_request,
+)
+from vllm_ascend_mooncake.datapath.wire import ReadDigest
+
+
+def reference(chunks: list[bytes]) -> int:
+    """The documented definition, word by word."""
+    total, position = 0, 0
+    for data in chunks:
+        data += b"\0" * (-len(data) % 8)
+        for start in range(0, len(data), 8):
+            word = int.from_bytes(data[start : start + 8], "little")
+            total += word * ((position * digest._A + digest._B) % (1 << 64))
+            position += 1
+    return total % (1 << 64)
+
+
+@pytest.fixture
+def data() -> torch.Tensor:
+    return torch.randint(
+        0, 256, (8192,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
+
+
+def test_the_checksum_is_the_documented_sum_whatever_the_alignment_and_chunking(
+    data, monkeypatch
+) -> None:
+    views = [data[3:517], data[1024:1032], data[2001:2002], data[4096:8192]]
+    expected = reference([bytes(v.tolist()) for v in views])
+    assert digest.checksum(views) == expected
+    monkeypatch.setattr(digest, "_CHUNK_WORDS", 5)
+    monkeypatch.setattr(digest, "_ramps", {})
+    assert digest.checksum(views) == expected
+    copies = [v.clone() for v in views]  # other addresses, aligned: the same value
+    assert digest.checksum(copies) == expected
+
+
+def test_a_flipped_bit_or_swapped_words_change_the_checksum(data) -> None:
+    base = digest.checksum([data])
+    for position in (0, 7, 4095, 8191):
+        flipped = data.clone()
+        flipped[position] ^= 1 << (position % 8)
+        assert digest.checksum([flipped]) != base
+    swapped = data.clone().view(torch.int64)
+    swapped[[3, 9]] = swapped[[9, 3]]
+    assert digest.checksum([swapped.view(torch.uint8)]) != base
+    # the same bytes split into other ranges are the same stream
+    assert digest.checksum([data[:800], data[800:]]) == base
+
+
+# Two regions of 4 blocks of 256 B, interleaved per block (K then V of each block, as NHD CUDA
+# caches are): the V region's base is the K region's + 256.
+LAYOUT = RegionLayout(BlockOrder.TOKEN_MAJOR, 4, 512, 2, 16, 8)
+BASE = 1 << 20
+REGIONS = [Region("k", BASE, LAYOUT), Region("v", BASE + 256, LAYOUT)]
+
+
+def outside(ranges: list[tuple[int, int]], blocks=(1, 2)) -> str:
+    addrs = np.array([a for a, _ in ranges], dtype=np.int64)
+    lengths = np.array([n for _, n in ranges], dtype=np.int64)
+    return ranges_outside(addrs, lengths, REGIONS, blocks)
+
+
+def test_prefill_checksums_only_the_blocks_the_transfer_holds() -> None:
+    assert LAYOUT.block_len == 256
+    assert outside([(BASE + 512, 256), (BASE + 512 + 256 + 8, 64)]) == ""  # K and V of block 1
+    assert outside([(BASE + 512, 1024)]) == ""  # a run over blocks 1 and 2
+    assert "this transfer holds" in outside([(BASE + 512, 1536)])  # into block 3
+    assert "this transfer holds" in outside([(BASE, 8)])  # block 0
+    assert "outside this worker's KV blocks" in outside([(BASE - 8, 16)])
+    assert "outside this worker's KV blocks" in outside([(BASE + 4 * 512, 8)])
+    assert "no bytes" in outside([(BASE + 512, 0)])
+
+
+def test_only_the_lessee_may_ask_and_what_it_gets_is_the_checksum() -> None:
+    tracker = SendTracker(TransferTopology(2, 1, 1), 0, 10.0)
+    tracker.hold("t", block_ids=(1,))
+    cache = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    memory = LocalMemory([cache])
+    regions = [Region("k", cache.data_ptr(), LAYOUT)]
+    addrs, lengths = np.array([cache.data_ptr() + 512]), np.array([256])
+    question = verify_request("t", 0, "reader-a", addrs, lengths)
+    assert "not this reader's" in answer(
+        question, memory, regions, tracker.leased_blocks("t", 0, "reader-a")
+    )
+    assert tracker.claim("t", 0, reader="reader-a").status == "granted"
+    reply = answer(question, memory, regions, tracker.leased_blocks("t", 0, "reader-a"))
+    assert isinstance(reply, ReadDigest)
+    check_digest(reply, digest.checksum([cache[512:768]]), "one range")
+    with pytest.raises(IntegrityError, match="differ"):
+        check_digest(reply, digest.checksum([cache[0:256]]), "one range")
+    other = tracker.leased_blocks("t", 0, "reader-b")
+    assert "not this reader's" in answer(question, memory, regions, other)
+    assert "not held" in str(tracker.leased_blocks("u", 0, "reader-a"))
+    assert "no KV memory" in answer(question, None, regions, (1,))

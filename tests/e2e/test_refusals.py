@@ -1,0 +1,59 @@
+"""End to end: a decode instance told of a prefill it cannot read refuses to start, naming both
+sides' values and what to change, and the prefill is unharmed.
+
+Every refusal the handshake makes has a unit test (tests/datapath/test_compat.py, one per
+mismatch; tests/datapath/test_pairing.py for the start-up pairing that runs it); this runs the
+whole path once through ``vllm serve``: prefill bfloat16 with 96-token blocks, decode float32
+with 64-token blocks (neither block size divides the other). Without start-up pairing the same
+deployment would start and fail its first request with HTTP 500.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from pd_checks import assert_extra_prefill_clean
+
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.servers import ServerError
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.engine
+
+
+def test_decode_refuses_to_start_beside_a_prefill_of_another_dtype_and_block_size(
+    tmp_path,
+) -> None:
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2)))
+    spec = DeploymentSpec(
+        model,
+        prefill_tp=1,
+        decode_tp=1,
+        block_size=64,
+        prefill_block_size=96,
+        log_dir=str(tmp_path),
+    )
+    pd = LocalDeployment(spec)
+    pd.prefill = pd.make_server("kv_producer", dtype="bfloat16")
+    try:
+        pd.prefill.start()
+        pd.prefill.wait_ready(600)
+        pd.decode.start()
+        with pytest.raises(ServerError, match="exited with code"):
+            pd.decode.wait_ready(600)
+        log = (tmp_path / "decode.log").read_text(errors="replace")
+        refusal = next(
+            (line for line in log.splitlines() if "cannot read the prefill instance" in line), ""
+        )
+        assert f"prefill instance at 127.0.0.1:{pd.side_channel_port}" in refusal, log[-4000:]
+        assert "dtype 'torch.bfloat16' on prefill vs 'torch.float32' on decode" in refusal
+        assert "block_size 96 on prefill vs 64 on decode: neither divides the other" in refusal
+        assert (
+            "start both instances with the same --dtype and --block-size values where one "
+            "divides the other" in refusal
+        )
+        # the refused prefill is unharmed: nothing claimed, nothing held
+        assert httpx.get(f"{pd.prefill.base_url}/health", timeout=30).status_code == 200
+        assert_extra_prefill_clean(pd.prefill.base_url, "the refused prefill")
+    finally:
+        pd.stop()

@@ -1,0 +1,127 @@
+"""Decode side: pair with the prefill instances named in the configuration before serving.
+
+Whether decode can read a prefill (same model and dtype, block sizes one dividing the other, a
+packing that can be cut, TP sizes that pair, ...) is decided at the handshake, which otherwise
+happens on the first request naming that prefill: a combination that cannot be served then
+fails a request (vLLM answers HTTP 500). A decode instance told which prefills feed it
+(``prefill_side_channels``) handshakes with every worker of each at start-up instead, through the
+same :class:`~.peers.PeerDirectory` its pulls use, so an incompatible deployment refuses to start
+with the reason and the fix, and the first requests find their peers paired already.
+
+A listed prefill that does not answer within ``wait_s`` (not started yet, a host down) is not a
+refusal: start-up goes on with a warning and that prefill is paired on its first request.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+from ..log import get_logger
+from .compat import IncompatiblePeerError
+from .peers import PeerDirectory, PrefillPeer
+from .side_channel import SideChannelError
+
+logger = get_logger(__name__)
+
+#: Pause between attempts to reach a listed prefill that is not listening yet.
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A prefill instance's side channel as decode is told of it: the base port of its first
+    data-parallel engine (TP rank ``r`` of DP engine ``d`` listens on ``port + d*tp + r``)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """``"host:port,host:port"`` (IPv6 hosts in brackets) as endpoints; ValueError names the
+    entry that is not one."""
+    endpoints = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        host, sep, port = entry.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{entry!r} is not host:port (a port from 1 to 65535)")
+        endpoints.append(Endpoint(host, int(port)))
+    return tuple(endpoints)
+
+
+def pair_with_prefills(
+    peers: PeerDirectory, endpoints: tuple[Endpoint, ...], wait_s: float
+) -> list[PrefillPeer]:
+    """Handshake with every worker of every listed prefill instance; the peers paired.
+
+    Raises :class:`IncompatiblePeerError` for the first that cannot be read (after which this
+    decode instance must not serve: it would fail every request routed to that prefill)."""
+    paired: list[PrefillPeer] = []
+    for endpoint in endpoints:
+        deadline = time.monotonic() + wait_s
+        first = _handshake(peers, endpoint.host, endpoint.port, deadline, endpoint)
+        if first is None:
+            continue
+        meta = first.metadata
+        if meta.tp_rank != 0 or meta.dp_rank != 0:
+            raise IncompatiblePeerError(
+                f"prefill_side_channels names {endpoint}, where prefill engine "
+                f"{meta.engine_id} TP rank {meta.tp_rank} of DP engine {meta.dp_rank} listens: "
+                f"list each prefill instance's side_channel_port (its first worker), not a "
+                f"later worker's"
+            )
+        paired.append(first)
+        for offset in range(1, meta.tp_size * meta.dp_size):
+            peer = _handshake(peers, endpoint.host, endpoint.port + offset, deadline, endpoint)
+            if peer is not None:
+                paired.append(peer)
+    return paired
+
+
+def _handshake(
+    peers: PeerDirectory, host: str, port: int, deadline: float, endpoint: Endpoint
+) -> PrefillPeer | None:
+    """The worker at ``host:port`` paired, waiting until ``deadline`` for it to listen and
+    answer; None (with a warning) if it did not in time."""
+    last_error = "nobody listens there"
+    while True:
+        left = deadline - time.monotonic()
+        if _listens(host, port, max(0.1, min(left, 1.0))):
+            try:
+                return peers.get(host, port)
+            except IncompatiblePeerError as exc:
+                raise IncompatiblePeerError(
+                    f"this decode instance cannot read the prefill instance at {endpoint} it "
+                    f"is told to pair with (prefill_side_channels): {exc}. Fix the instances, "
+                    f"or leave that prefill out of prefill_side_channels and of the router"
+                ) from exc
+            except SideChannelError as exc:
+                last_error = str(exc)
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "prefill worker at %s:%d (of %s in prefill_side_channels) did not answer within "
+                "pair_wait_s (%s); serving without it, it is paired on its first request",
+                host,
+                port,
+                endpoint,
+                last_error,
+            )
+            return None
+        time.sleep(POLL_S)
+
+
+def _listens(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``host:port`` is accepted (before asking the side channel,
+    whose peers directory would put a closed port in its cooldown)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,120 @@
+"""The optional end-to-end integrity check of pulled KV (``verify_reads``), both sides.
+
+After each read batch lands, decode asks prefill (:class:`~.wire.VerifyRead`) for the
+:mod:`~..core.digest` checksum of the source ranges that batch read, computes the checksum of the
+ranges they landed in, and fails the pull when the two differ (:class:`IntegrityError`): a
+corruption in flight, bytes that landed elsewhere, or blocks that changed under the read become a
+counted failed pull, never silently wrong KV. It runs before any local copy or permutation moves
+the landed bytes, and before the read-done notice lets prefill free the blocks.
+
+Prefill answers only the reader holding the lease, and only about the blocks the transfer holds
+(:func:`ranges_outside`): nobody learns anything of memory that is not theirs to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..core.digest import checksum_ranges
+from ..core.layout import Region
+from ..core.relayout import LocalMemory
+from .wire import ReadDigest, VerifyRead
+
+
+class IntegrityError(RuntimeError):
+    """Bytes that landed on decode differ from what prefill holds."""
+
+
+def verify_request(
+    transfer_id: str, decode_rank: int, reader: str, addrs: np.ndarray, lengths: np.ndarray
+) -> VerifyRead:
+    """The question decode asks about one read batch's source ranges."""
+    return VerifyRead(
+        transfer_id,
+        decode_rank,
+        reader,
+        np.ascontiguousarray(addrs, dtype="<i8").tobytes(),
+        np.ascontiguousarray(lengths, dtype="<i8").tobytes(),
+    )
+
+
+def landed_checksum(memory: LocalMemory, addrs: np.ndarray, lengths: np.ndarray) -> int:
+    """The checksum of the local ranges a batch landed in (decode's side)."""
+    return checksum_ranges(memory.view, addrs, lengths)
+
+
+def check_digest(reply: object, local: int, what: str) -> None:
+    """Raise :class:`IntegrityError` unless prefill's ``reply`` matches ``local``."""
+    if not isinstance(reply, ReadDigest):
+        raise IntegrityError(f"{what}: prefill could not checksum the ranges read: {reply}")
+    remote = int.from_bytes(reply.checksum, "little")
+    if remote != local:
+        raise IntegrityError(
+            f"{what}: the bytes that landed differ from prefill's (checksum {local:#018x} on "
+            f"decode, {remote:#018x} on prefill): KV corrupted in flight or changed under the read"
+        )
+
+
+def answer(
+    message: VerifyRead,
+    memory: LocalMemory | None,
+    regions: Sequence[Region],
+    held_blocks: tuple[int, ...] | str,
+) -> ReadDigest | str:
+    """Prefill's answer to ``message``: the checksum, or why not. ``held_blocks``: the transfer's
+    blocks when ``message``'s reader holds the lease, else the reason it may not ask."""
+    if memory is None:
+        return "this prefill worker has no KV memory it can checksum"
+    if isinstance(held_blocks, str):
+        return held_blocks
+    addrs = np.frombuffer(message.addrs, dtype="<i8")
+    lengths = np.frombuffer(message.lengths, dtype="<i8")
+    if len(addrs) != len(lengths):
+        return f"{len(addrs)} addresses but {len(lengths)} lengths"
+    outside = ranges_outside(addrs, lengths, regions, held_blocks)
+    if outside:
+        return outside
+    value = checksum_ranges(memory.view, addrs, lengths)
+    return ReadDigest(value.to_bytes(8, "little"))
+
+
+def ranges_outside(
+    addrs: np.ndarray, lengths: np.ndarray, regions: Sequence[Region], blocks: Sequence[int]
+) -> str:
+    """Why some range is not inside ``blocks`` of ``regions`` ("" when every one is): each
+    range's first and last byte must lie in a block of one region, and every block from the
+    first to the last (a run of consecutive blocks) must be one of ``blocks``."""
+    if not len(addrs):
+        return ""
+    if (lengths <= 0).any():
+        return "a range of no bytes"
+    bases = np.array([r.base for r in regions], dtype=np.int64)
+    strides = np.array([r.layout.block_stride for r in regions], dtype=np.int64)
+    lens = np.array([r.layout.block_len for r in regions], dtype=np.int64)
+    counts = np.array([r.layout.num_blocks for r in regions], dtype=np.int64)
+    if not len(bases):
+        return "this worker serves no KV regions"
+    held = np.zeros(int(counts.max()) + 1, dtype=np.int64)
+    known = np.asarray([b for b in blocks if 0 <= b < len(held) - 1], dtype=np.int64)
+    held[known + 1] = 1
+    held_before = np.cumsum(held)  # held_before[b]: held blocks among 0..b-1
+
+    def locate(points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rel = points[:, None] - bases[None, :]
+        inside = (rel >= 0) & (rel < counts * strides) & (rel % strides < lens)
+        found = inside.any(axis=1)
+        region = inside.argmax(axis=1)
+        return np.where(found, region, -1), rel[np.arange(len(points)), region] // np.maximum(
+            strides[region], 1
+        )
+
+    first_region, first = locate(addrs)
+    last_region, last = locate(addrs + lengths - 1)
+    if (first_region < 0).any() or (last_region < 0).any() or (last < first).any():
+        return "a range outside this worker's KV blocks"
+    covered = held_before[last + 1] - held_before[first]
+    if (covered != last - first + 1).any():
+        return "a range outside the blocks this transfer holds"
+    return ""
