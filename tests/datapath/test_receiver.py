@@ -16,6 +16,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from vllm_ascend_mooncake.core.layout import BlockOrder, ChunkPacking
 from vllm_ascend_mooncake.core.packing import chunk_packing
@@ -222,6 +223,7 @@ class Decode:
         mla_widths=(),
         block_size=BLOCK_SIZE,
         packing=(),
+        client_timeout_s: float = 5.0,
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank, topo.is_mla)
         self.cache = Cache(
@@ -237,7 +239,7 @@ class Decode:
         self.transport = InProcessTransport()
         self.transport.register(storage_ranges([*self.cache.tensors, self.staging]))
         self.snapshot = self.cache.bytes
-        self.client = SideChannelClient(timeout_s=5)
+        self.client = SideChannelClient(timeout_s=client_timeout_s)
         meta = metadata(
             "decode",
             topo,
@@ -898,6 +900,68 @@ def test_a_pull_whose_kv_is_held_never_waits_behind_early_pulls() -> None:
         d.check_blocks(c.ref, [10, 11], [9, 10])
     finally:
         c.close()
+
+
+def test_every_early_pull_waits_for_prefill_at_once_on_no_thread_of_its_own() -> None:
+    """Sixteen early pulls on a worker with four planning threads (#27 item 2): every claim must
+    be waiting at prefill at once (a thread per waiting claim let four wait and queued the
+    rest), and every pull lands once prefill holds its blocks."""
+    options = dataclasses.replace(FAST, num_threads=1, prefill_wait_s=30.0)
+    c = Cluster(4, prefill_tp=1, decode_tp=1, options=options)
+    (d,) = c.decode
+    (p,) = c.prefill
+    claimed: set[str] = set()
+    claim = p.tracker.claim
+
+    def record(transfer_id, *args, **kw):
+        claimed.add(transfer_id)
+        return claim(transfer_id, *args, **kw)
+
+    p.tracker.claim = record
+    try:
+        names = [f"early{i}" for i in range(DECODE_BLOCKS)]
+        for i, name in enumerate(names):
+            d.receiver.submit(c.order(name, [i], [i % PREFILL_BLOCKS], early=True))
+        deadline = time.monotonic() + 10
+        while len(claimed) < len(names):
+            assert time.monotonic() < deadline, f"only {len(claimed)} claims reached prefill"
+            time.sleep(0.01)
+        assert not d.receiver.take_finished()[0], "granted before prefill held anything"
+        for i, name in enumerate(names):
+            c.hold(name, [i % PREFILL_BLOCKS])
+        d.wait(names, timeout_s=10)
+        assert set(names) == d.done
+        d.check_blocks(c.ref, range(len(names)), [i % PREFILL_BLOCKS for i in range(len(names))])
+    finally:
+        c.close()
+
+
+def test_a_prefill_that_never_answers_its_metadata_holds_one_planning_thread_not_all() -> None:
+    """Eight pulls naming a prefill that accepts connections but never answers (frozen before
+    decode first met it) each looked it up on a planning thread of their own, for three metadata
+    timeouts (7.2 s here); a healthy prefill's pull then waited behind them (#27 item 2). The
+    bound is two metadata timeouts, not a measurement."""
+    options = dataclasses.replace(FAST, num_threads=1)  # four planning threads
+    c = Cluster(4, prefill_tp=1, decode_tp=1, options=options, client_timeout_s=2.0)
+    (d,) = c.decode
+    frozen_port = free_port_range(1)
+    frozen = zmq.Context.instance().socket(zmq.ROUTER)  # takes messages, answers none
+    frozen.setsockopt(zmq.LINGER, 0)
+    frozen.bind(f"tcp://{HOST}:{frozen_port}")
+    try:
+        for i in range(8):
+            order = dataclasses.replace(c.order(f"frozen{i}", [i], [i]), remote_port=frozen_port)
+            d.receiver.submit(order)
+        time.sleep(0.2)
+        started = time.monotonic()
+        c.pull("healthy", [10, 11], [9, 10])
+        d.wait(["healthy"], timeout_s=30)
+        assert "healthy" in d.done
+        assert time.monotonic() - started < 2 * d.client.timeout_s
+        d.check_blocks(c.ref, [10, 11], [9, 10])
+    finally:
+        c.close()
+        frozen.close()
 
 
 # -- the end-to-end integrity check (verify_reads), issue #27 item 3 ---------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -71,10 +72,22 @@ def gauge(url: str, name: str) -> float:
 def wait_for_gauge(
     url: str, name: str, at_least: float, failure: str, within_s: float = 60
 ) -> None:
-    """Poll an instance's gauge until it reaches ``at_least`` (tests wait on state, not time)."""
-    deadline = time.monotonic() + within_s
-    while gauge(url, name) < at_least:
-        assert time.monotonic() < deadline, f"{failure}: {name} < {at_least} after {within_s} s"
+    """Poll an instance's gauge until it reaches ``at_least`` (tests wait on state, not time).
+    A failure says what the polls saw: how many, the largest value, and the longest gap between
+    two answers (a poll stuck for seconds is not a gauge that never moved)."""
+    started = time.monotonic()
+    deadline = started + within_s
+    readings: list[tuple[float, float]] = []  # (when answered, value)
+    while (value := gauge(url, name)) < at_least:
+        readings.append((time.monotonic(), value))
+        if time.monotonic() >= deadline:
+            times = [started] + [when for when, _ in readings]
+            gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+            raise AssertionError(
+                f"{failure}: {name} < {at_least} after {within_s} s ({len(readings)} polls, "
+                f"largest value {max(v for _, v in readings)}, longest gap between answers "
+                f"{max(gaps):.2f} s, distinct values {sorted({v for _, v in readings})})"
+            )
         time.sleep(0.02)
 
 
@@ -423,12 +436,18 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     # API server admitted them, and fewer than 6 were ever seen waiting): queue 10, wait for 3.
     queued_batches = 10
     seen_waiting_batches = 3
+    pulls = "vllm:mooncake_hetero_pull_seconds_count"
+    pulled_before = gauge(decode, pulls)
     with concurrent.futures.ThreadPoolExecutor((1 + queued_batches) * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
             for _ in range(MAX_NUM_SEQS)
         ]
-        wait_for_gauge(decode, "vllm:num_requests_running", MAX_NUM_SEQS, "the batch never filled")
+        # Their KV landed: they are decode's batch, or next in its queue (first come, first
+        # served). A counter, not the running gauge: a clean-clone CI run never saw that gauge
+        # at 2 within 60 s although decode's log showed both running for the 3 s their 924
+        # tokens took, so the test must not depend on polling inside that window.
+        wait_for_gauge(decode, pulls, pulled_before + MAX_NUM_SEQS, "the batch's KV never landed")
         queued = [
             pool.submit(completion, decode, name, OTHER, **long_body)
             for _ in range(queued_batches * MAX_NUM_SEQS)

@@ -83,7 +83,10 @@ def model() -> str:
 def reference(model: str) -> dict:
     """One colocated TP 1 instance, each prompt asked twice: the second answer (its prompt
     served from the prefix cache where vLLM enables one for MLA; vLLM CPU's reference MLA
-    backend disables it) is what P/D must reproduce; both answers must agree."""
+    backend disables it) is what P/D must reproduce. The two agree within the bfloat16 bound;
+    where the first's top two tie, the second may take the other one (measured on a CPU with
+    AMX tiles, AMX_MLA: the 33-token prompt's position 3 had tokens 53 and 490 both at -1.025
+    the first time, 490 ahead by 0.125 the second), so they are compared like P/D is."""
     with VllmServer(model, dtype=DTYPE) as server:
         url = server.base_url
         name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -96,7 +99,7 @@ def reference(model: str) -> dict:
         answers = {}
         for prompt in [*prompts, y]:
             first, second = complete(url, name, prompt), complete(url, name, prompt)
-            assert first["tokens"] == second["tokens"], "colocated answers differ when repeated"
+            compared_positions(first, second, f"colocated, {len(prompt)}-token prompt repeated")
             answers[tuple(prompt)] = second
         assert answers[tuple(x)]["tokens"] != answers[tuple(y)]["tokens"]
         return {"name": name, "prompts": prompts, "x": x, "y": y, "answers": answers}

@@ -6,6 +6,7 @@ exercise connection handling, streaming and refusals the way a deployment does.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -125,6 +126,38 @@ def one_request_per_connection() -> Iterator[str]:
             except OSError:
                 continue
             threading.Thread(target=serve, args=(connection,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+@contextmanager
+def drops_every_connection() -> Iterator[str]:
+    """Yield the URL of a port that accepts connections and closes each one unanswered, as a
+    restarting vLLM does (it binds its port before its engine is ready) or one dying with the
+    request: the client sees "Server disconnected without sending a response"."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            with connection:
+                connection.settimeout(1)
+                with contextlib.suppress(OSError):
+                    connection.recv(65536)  # the request arrives; no answer is sent
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()

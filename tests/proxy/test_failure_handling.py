@@ -18,7 +18,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from fake_vllm import FakeVllm
-from loopback_server import StartProxy, black_hole, refusing_port, serve_on_loopback
+from loopback_server import (
+    StartProxy,
+    black_hole,
+    drops_every_connection,
+    refusing_port,
+    serve_on_loopback,
+)
 
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, CircuitState, EjectionPolicy
@@ -511,6 +517,39 @@ def test_a_black_holed_decode_costs_one_connect_timeout_not_one_per_request(
         hole = entry(proxy, "decode", hole_url)
         assert hole["state"] == "ejected"
         assert "ConnectTimeout" in hole["last_failure"]
+
+
+@pytest.mark.parametrize("overlap_legs", [True, False], ids=["overlapped", "serial"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_instance_that_drops_requests_unanswered_costs_the_client_nothing(
+    prefill: tuple[FakeVllm, str],
+    decode: tuple[FakeVllm, str],
+    start_proxy: StartProxy,
+    role: str,
+    overlap_legs: bool,
+) -> None:
+    """A prefill restarting after a crash accepts connections before its engine is ready and
+    drops them unanswered; the chaos run (#27) saw its half-open trials answered 502 ("Server
+    disconnected without sending a response"). Nothing was answered, so the proxy moves on."""
+    with drops_every_connection() as dropping_url:
+        live = {"prefill": prefill, "decode": decode}[role]
+        urls = {"prefill": [prefill[1]], "decode": [decode[1]]}
+        urls[role] = [dropping_url, live[1]]
+        proxy = start_proxy(
+            urls["prefill"],
+            urls["decode"],
+            health_interval_s=0,
+            ejection=NEVER_EXPIRES,
+            overlap_legs=overlap_legs,
+        )
+
+        answers = [complete(proxy) for _ in range(6)]
+
+        assert [answer.status_code for answer in answers] == [200] * 6
+        assert len(live[0].generation_requests()) == 6
+        dropping = entry(proxy, role, dropping_url)
+        assert dropping["state"] == "ejected"
+        assert "RemoteProtocolError" in dropping["last_failure"]
 
 
 def test_an_instance_whose_health_check_hangs_is_ejected_and_gets_no_requests(

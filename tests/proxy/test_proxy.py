@@ -401,7 +401,7 @@ def test_no_reachable_decode_gives_502_naming_what_was_tried(
 
     assert response.status_code == 502
     message = response.json()["error"]["message"]
-    assert "no decode instance accepted a connection" in message
+    assert "no decode instance answered" in message
     assert fleet.dead_url in message
     assert len(fleet.prefill_a.generation_requests()) == 1
 
@@ -414,7 +414,7 @@ def test_no_reachable_prefill_gives_502_and_skips_decode(
     response = proxy.post(COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": True})
 
     assert response.status_code == 502
-    assert "no prefill instance accepted a connection" in response.json()["error"]["message"]
+    assert "no prefill instance answered" in response.json()["error"]["message"]
     assert fleet.decode_a.generation_requests() == []
 
 
@@ -737,7 +737,7 @@ def test_a_known_prefill_that_went_away_abandons_the_decode_and_goes_serial(
     response = proxy.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
 
     assert response.status_code == 502  # the serial retry found no prefill either
-    assert "no prefill instance accepted a connection" in response.json()["error"]["message"]
+    assert "no prefill instance answered" in response.json()["error"]["message"]
     assert len(gone.generation_requests()) == 1
     ready = proxy.get("/ready").json()
     assert [report["in_flight"] for report in ready["decode"]] == [0]

@@ -1,12 +1,15 @@
 """Decode side: pull each request's KV from the prefill ranks the topology names, then fix it up.
 
-One dispatcher thread turns a :class:`PullOrder` into a plan (fetching peer metadata on first
-contact). Reads then run on a thread pool with one FIFO lane per prefill peer: different peers in
-parallel, one peer strictly in order. All layers of a request-peer pair go out as one batched read,
-split at the descriptor cap. The fix-up runs only once every pull of the request has landed; a
-partially read request is never fixed up or reported loaded. Each peer read gets a read-done
-notification (success or not) so the prefill side can free its blocks; :mod:`.notifier` sends it
-off the read path.
+A :class:`PullOrder` goes through three stages, none of which lets one peer hold up the others.
+Its prefill instance's lookup lane finds the ranks it reads (fetching their metadata on first
+contact: a peer that does not answer holds one planning thread, not all). Every rank's read claim
+then goes out at once through :mod:`.claims`, one thread for all the claims that wait for a grant;
+the last grant plans the reads on a planning thread. Reads run on a thread pool with one FIFO lane
+per prefill peer: different peers in parallel, one peer strictly in order. All layers of a
+request-peer pair go out as one batched read, split at the descriptor cap. The fix-up runs only
+once every pull of the request has landed; a partially read request is never fixed up or reported
+loaded. Each peer read gets a read-done notification (success or not) so the prefill side can free
+its blocks; :mod:`.notifier` sends it off the read path.
 
 What is reported to vLLM is what vLLM waits for, and only once no byte can land any more: a
 release-only pull (no local blocks) is never reported; a failed request is reported only after
@@ -27,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..core.layout import Region
@@ -54,6 +57,7 @@ from ..defaults import (
 )
 from ..log import get_logger
 from ..timeline import PullTimeline
+from .claims import ClaimAnswer, ClaimExchange
 from .lanes import FifoLane
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
@@ -193,6 +197,25 @@ class _InFlight:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """What a request reads: its topology, seed, head pulls, and each prefill rank's regions."""
+
+    topology: TransferTopology
+    seed: int
+    pulls: Sequence
+    remote_tables: dict[int, Sequence[Region]]
+
+
+def _settle(target: Future, source: Future) -> None:
+    """Give ``target`` the outcome of the finished ``source``."""
+    exc = source.exception()
+    if exc is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(exc)
+
+
 def _agreed_block_ids(
     pull: PullOrder, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
 ) -> tuple[int, ...]:
@@ -257,13 +280,14 @@ class Receiver:
         self._prepare_pool = ThreadPoolExecutor(
             4 * self._options.num_threads, thread_name_prefix="vam-prepare"
         )
-        # Early pulls (admitted before prefill finished) wait for their grant up to
-        # prefill_wait_s: they plan on threads of their own, so a pull whose KV is held already
-        # never queues behind them.
-        self._early_pool = ThreadPoolExecutor(
-            4 * self._options.num_threads, thread_name_prefix="vam-early"
+        # Claims wait for their grants (early pulls up to prefill_wait_s) on one thread, all at
+        # once: a pull whose KV is held already never queues behind them.
+        self._claims = ClaimExchange(
+            client, self._options.claim_attempts, self._options.claim_poll_s
         )
-        self._lanes: dict[str, FifoLane] = {}  # by prefill transport session
+        self._lanes: dict[str, FifoLane] = {}  # reads, by prefill transport session
+        #: peer lookups, by prefill instance (host, first side-channel port)
+        self._lookup_lanes: dict[tuple[str, int], FifoLane] = {}
         self._notifier = ReadDoneNotifier(
             client,
             attempts=self._options.notify_attempts,
@@ -327,8 +351,9 @@ class Receiver:
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's
-        grant gives up at its next ask (within ``claim_park_s``). Reads already under way run to
-        the end: a Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
+        grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`). Reads
+        already under way run to the end: a Mooncake read cannot be cancelled, and vLLM keeps
+        the blocks until it is told."""
         with self._lock:
             if request_id in self._in_flight:
                 self._cancelled.add(request_id)
@@ -363,14 +388,14 @@ class Receiver:
         return stats
 
     def shutdown(self) -> None:
-        """Stop: pulls still waiting for a grant give up at their next ask (within
-        ``claim_park_s``) instead of waiting out ``prefill_wait_s``; reads under way end."""
+        """Stop: pulls still waiting for a grant give up at once instead of waiting out
+        ``prefill_wait_s``; reads under way end."""
         with self._lock:
             self._cancelled |= self._in_flight
         self._queue.put(None)
         self._dispatcher.join(timeout=5)
+        self._claims.close()  # claims still waiting fail now, their pulls on planning threads
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
-        self._early_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._notifier.shutdown()
 
@@ -378,23 +403,89 @@ class Receiver:
 
     def _dispatch(self) -> None:
         while (item := self._queue.get()) is not None:
-            pull, _ = item
-            pool = self._early_pool if pull.early else self._prepare_pool
-            pool.submit(self._prepare, *item)
+            pull = item[0]
+            try:
+                self._lookup_lane(pull.remote_host, pull.remote_port).push(item)
+            except RuntimeError as exc:  # the pool shut down
+                self._finish(pull, failure=f"the decode worker is shutting down ({exc})")
+
+    def _lookup_lane(self, host: str, port: int) -> FifoLane:
+        """The lane looking up one prefill instance's ranks: a peer that does not answer its
+        metadata requests holds one planning thread, never all of them, and its other pulls
+        wait behind it (then fail at once while it is marked down)."""
+        with self._lock:
+            lane = self._lookup_lanes.get((host, port))
+            if lane is None:
+                lane = self._lookup_lanes[(host, port)] = FifoLane(
+                    self._prepare_pool, self._prepare, self._options.requests_per_turn
+                )
+        return lane
+
+    def _submit_planning(self, pull: PullOrder, task: Callable[..., None], *args) -> None:
+        """Run ``task`` on a planning thread; a pull that cannot get one (shutting down) fails."""
+        try:
+            self._prepare_pool.submit(task, *args)
+        except RuntimeError as exc:
+            self._finish(pull, failure=f"the decode worker is shutting down ({exc})")
 
     def _prepare(self, pull: PullOrder, timeline: PullTimeline) -> None:
+        """Look the prefill ranks up and claim every one's lease at once; the plan is made when
+        the last grant arrives. No thread waits for a grant (:mod:`.claims`)."""
         peers: dict[int, _Peer] = {}
         try:
-            self._start(pull, peers, timeline)
+            lookup = self._look_up(pull, peers)
+            if not pull.local_block_ids:  # release-only: nothing to claim or read
+                self._plan_and_read(pull, peers, lookup, pull.remote_block_ids, timeline)
+                return
+            claims = {
+                rank: self._first_claim(pull, peer, lookup.remote_tables)
+                for rank, peer in peers.items()
+            }
         except Exception as exc:
-            cancelled = isinstance(exc, PullCancelled)
-            log = logger.info if cancelled else logger.warning
-            log("cannot pull KV for request %s: %s", pull.request_id, exc)
-            for peer in peers.values():  # release what was looked up; others expire it
-                self._notify(peer, pull.transfer_id, str(exc))
-            self._finish(pull, failure=str(exc), cancelled=cancelled)
+            self._give_up(pull, peers, exc)
+            return
+        unanswered = [len(claims)]
+        guard = threading.Lock()
 
-    def _start(self, pull: PullOrder, peers: dict[int, _Peer], timeline: PullTimeline) -> None:
+        def answered(_: Future) -> None:
+            with guard:
+                unanswered[0] -= 1
+                if unanswered[0]:
+                    return
+            self._submit_planning(pull, self._granted, pull, peers, lookup, claims, timeline)
+
+        for claim in claims.values():
+            claim.add_done_callback(answered)
+
+    def _granted(
+        self,
+        pull: PullOrder,
+        peers: dict[int, _Peer],
+        lookup: _Lookup,
+        claims: dict[int, Future[ClaimReply]],
+        timeline: PullTimeline,
+    ) -> None:
+        """Every rank answered its claim: plan the reads if all granted the same blocks."""
+        try:
+            remote_block_ids = pull.remote_block_ids
+            for rank, claim in claims.items():
+                remote_block_ids = _agreed_block_ids(pull, rank, remote_block_ids, claim.result())
+            timeline.granted = time.monotonic()
+            self._plan_and_read(pull, peers, lookup, remote_block_ids, timeline)
+        except Exception as exc:
+            self._give_up(pull, peers, exc)
+
+    def _give_up(self, pull: PullOrder, peers: dict[int, _Peer], exc: Exception) -> None:
+        cancelled = isinstance(exc, PullCancelled)
+        log = logger.info if cancelled else logger.warning
+        log("cannot pull KV for request %s: %s", pull.request_id, exc)
+        for peer in peers.values():  # release what was looked up; others expire it
+            self._notify(peer, pull.transfer_id, str(exc))
+        self._finish(pull, failure=str(exc), cancelled=cancelled)
+
+    def _look_up(self, pull: PullOrder, peers: dict[int, _Peer]) -> _Lookup:
+        """The request's topology and the prefill ranks it reads (into ``peers``, so that a
+        failure later releases exactly those)."""
         seed = request_seed(pull.transfer_id)
         topology = self._topology_of(pull)
         pulls = topology.pulls_for(self._rank, seed)
@@ -414,15 +505,21 @@ class Receiver:
             with self._lock:
                 key = (pull.transfer_id, pull.remote_host, port)
                 self._readers[key] = self._readers.get(key, 0) + 1
-        remote_block_ids = pull.remote_block_ids
-        if pull.local_block_ids:
-            for peer in peers.values():
-                granted = self._first_claim(pull, peer, remote_tables)
-                remote_block_ids = _agreed_block_ids(pull, peer.rank, remote_block_ids, granted)
-        timeline.granted = time.monotonic()
+        return _Lookup(topology, seed, pulls, remote_tables)
+
+    def _plan_and_read(
+        self,
+        pull: PullOrder,
+        peers: dict[int, _Peer],
+        lookup: _Lookup,
+        remote_block_ids: Sequence[int] | None,
+        timeline: PullTimeline,
+    ) -> None:
+        """Plan the request's reads (in a staging area if it needs one) and queue them on
+        each peer's lane."""
         staging = None
         if pull.local_block_ids and request_needs_staging(
-            self._local_regions, remote_tables, pulls
+            self._local_regions, lookup.remote_tables, lookup.pulls
         ):
             if self._staging is None:
                 raise RuntimeError(
@@ -436,11 +533,11 @@ class Receiver:
             )
         try:
             plan = plan_request(
-                topology,
+                lookup.topology,
                 self._rank,
-                seed,
+                lookup.seed,
                 self._local_regions,
-                remote_tables,
+                lookup.remote_tables,
                 pull.local_block_ids,
                 remote_block_ids or (),
                 PlanOptions(
@@ -475,36 +572,57 @@ class Receiver:
 
     def _first_claim(
         self, pull: PullOrder, peer: _Peer, remote_tables: dict[int, Sequence[Region]]
-    ) -> ClaimReply:
-        """The first claim; an early pull whose cached peer restarted retries it on the new one
-        (the transfer id is unique, so the new incarnation is the one computing it)."""
+    ) -> Future[ClaimReply]:
+        """The first claim; an early pull whose cached peer restarted claims again from the new
+        one (the transfer id is unique, so the new incarnation is the one computing it)."""
+        granted: Future[ClaimReply] = Future()
+
+        def answered(claim: Future[ClaimReply]) -> None:
+            if pull.early and isinstance(claim.exception(), PeerRefused):
+                # looking the peer up may fetch its metadata: not on the claims thread
+                self._submit_planning(
+                    pull, self._claim_restarted, pull, peer, remote_tables, claim, granted
+                )
+            else:
+                _settle(granted, claim)
+
+        self._claim(pull, peer).add_done_callback(answered)
+        return granted
+
+    def _claim_restarted(
+        self,
+        pull: PullOrder,
+        peer: _Peer,
+        remote_tables: dict[int, Sequence[Region]],
+        refused: Future[ClaimReply],
+        granted: Future[ClaimReply],
+    ) -> None:
         try:
-            return self._claim(pull, peer)
-        except PeerRefused:
-            if not pull.early:
-                raise
             prefill = self._peers.get(peer.host, peer.port)  # invalidated by the refusal
             if prefill.incarnation == peer.incarnation:
-                raise
+                _settle(granted, refused)
+                return
             _check_same_tp(prefill, self._topology_of(pull))
-            logger.info(
-                "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
-                peer.host,
-                peer.port,
-                prefill.incarnation,
-                pull.transfer_id,
-            )
-            peer.transport_session = prefill.transport_session
-            peer.incarnation = prefill.incarnation
-            remote_tables[peer.rank] = prefill.regions
-            return self._claim(pull, peer)
+        except Exception as exc:
+            granted.set_exception(exc)
+            return
+        logger.info(
+            "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
+            peer.host,
+            peer.port,
+            prefill.incarnation,
+            pull.transfer_id,
+        )
+        peer.transport_session = prefill.transport_session
+        peer.incarnation = prefill.incarnation
+        remote_tables[peer.rank] = prefill.regions
+        self._claim(pull, peer).add_done_callback(lambda claim: _settle(granted, claim))
 
-    def _claim(self, pull: PullOrder, peer: _Peer) -> ClaimReply:
-        """Obtain (or renew) the peer's read lease; raises if it refuses or never registers."""
+    def _claim(self, pull: PullOrder, peer: _Peer) -> Future[ClaimReply]:
+        """Obtain (or renew) the peer's read lease: the future fails if the peer refuses, stays
+        silent, or never registers the request within the claim's wait."""
         options = self._options
         wait_s = options.prefill_wait_s if pull.early else options.claim_wait_s
-        deadline = time.monotonic() + wait_s
-        poll_s, longest_poll_s = options.claim_poll_s
         message = ClaimRead(
             pull.transfer_id,
             self._rank,
@@ -514,37 +632,42 @@ class Receiver:
             decode_tp=self._topology.decode_tp,
             reader=self._peers.local.incarnation,
         )
-        silent = 0
-        while True:
-            self._check_cancelled(pull)
-            sent_at = time.monotonic()
+        granted: Future[ClaimReply] = Future()
+
+        def answered(claim: Future[ClaimAnswer]) -> None:
             try:
-                reply = self._client.request(peer.host, peer.port, message)
-            except PeerRefused:
+                answer = claim.result()
+            except SideChannelError as exc:  # refused the message, or silent every attempt
                 self._peers.invalidate(peer.host, peer.port)
-                raise
-            except SideChannelError as exc:
-                # A claim is idempotent: a silent peer (a starved host) is asked again, a dead
-                # one costs claim_attempts timeouts.
-                silent += 1
-                if silent >= options.claim_attempts:
-                    self._peers.invalidate(peer.host, peer.port)
-                    raise
-                logger.warning("claim of %s: %s; asking again", pull.transfer_id, exc)
-                continue
+                granted.set_exception(exc)
+                return
+            except Exception as exc:  # cancelled
+                granted.set_exception(exc)
+                return
+            reply = answer.reply
             if not isinstance(reply, ClaimReply):
-                raise RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
-            if reply.status == "granted":
-                peer.claimed_at, peer.lease_s = sent_at, reply.lease_s
-                return reply
-            if reply.status != "pending" or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
-                    f"{reply.reason}"
+                granted.set_exception(
+                    RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
                 )
-            if time.monotonic() - sent_at < poll_s:  # answered at once, not held: do not hammer
-                time.sleep(poll_s)
-                poll_s = min(poll_s * 1.5, longest_poll_s)
+            elif reply.status != "granted":
+                granted.set_exception(
+                    RuntimeError(
+                        f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
+                        f"{reply.reason}"
+                    )
+                )
+            else:
+                peer.claimed_at, peer.lease_s = answer.sent_at, reply.lease_s
+                granted.set_result(reply)
+
+        self._claims.claim(
+            peer.host,
+            peer.port,
+            message,
+            time.monotonic() + wait_s,
+            lambda: self._check_cancelled(pull),
+        ).add_done_callback(answered)
+        return granted
 
     def _lane(self, session: str) -> FifoLane:
         with self._lock:
@@ -611,7 +734,7 @@ class Receiver:
         """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
         self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
-            self._claim(pull, peer)  # waited long in the queue: renew before reading
+            self._claim(pull, peer).result()  # waited long in the queue: renew before reading
         for batch in peer_plan.batches:
             self._read_batch(peer.transport_session, batch)
             if self._options.verify_reads:

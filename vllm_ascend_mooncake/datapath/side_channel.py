@@ -7,7 +7,9 @@ still computing): the server asks the handler again whenever :meth:`SideChannelS
 called, and sends the park's fallback reply at its deadline. The peer thus gets its answer the
 moment there is one, without polling. The client uses one DEALER socket per peer and thread,
 with a timeout on every exchange; after a timeout the socket is dropped so a late reply cannot be
-mistaken for the next answer.
+mistaken for the next answer. A request may carry a tag frame before the empty delimiter (ZMQ's
+routing envelope): the reply carries it back, so one socket can have many requests outstanding
+and match each reply to its request (:mod:`.claims` multiplexes read claims that way).
 
 With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
 both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
@@ -96,6 +98,10 @@ class Park:
 
 
 Handler = Callable[[Message], "Message | Park"]
+#: The frames before a message's empty delimiter: the sender's identity, then an optional tag.
+Route = tuple[bytes, ...]
+#: The longest tag a request may carry (the reply echoes it).
+MAX_TAG_BYTES = 32
 
 #: Parked requests beyond this many are answered with their fallback at once (hostile peers).
 MAX_PARKED = 4096
@@ -132,7 +138,8 @@ class SideChannelServer:
             ) from exc
         self.address = (host, port)
         self._handler = handler
-        self._parked: list[tuple[bytes, Message, Park]] = []
+        #: (route: the requester's identity and tag, request, park)
+        self._parked: list[tuple[Route, Message, Park]] = []
         wake_address = f"inproc://vam-wake-{id(self)}"
         self._wake_in = self._context.socket(zmq.PULL)
         self._wake_in.bind(wake_address)
@@ -153,7 +160,7 @@ class SideChannelServer:
                 with contextlib.suppress(zmq.Again):
                     self._wake_out.send(b"*" if key is None else b"=" + key.encode(), zmq.NOBLOCK)
 
-    def _answer(self, identity: bytes, message: Message, parked: Park | None = None) -> None:
+    def _answer(self, route: Route, message: Message, parked: Park | None = None) -> None:
         try:
             reply = self._handler(message)
         except Exception as exc:  # a handler bug must not kill the server thread
@@ -162,14 +169,14 @@ class SideChannelServer:
         if isinstance(reply, Park):
             park = parked or reply
             if time.monotonic() < park.deadline and (parked or len(self._parked) < MAX_PARKED):
-                self._parked.append((identity, message, park))
+                self._parked.append((route, message, park))
                 return
             reply = park.reply_at_deadline
-        self._send(identity, reply)
+        self._send(route, reply)
 
-    def _send(self, identity: bytes, reply: Message) -> None:
+    def _send(self, route: Route, reply: Message) -> None:
         payload = encode(reply)
-        frames = [identity, b"", payload]
+        frames = [*route, b"", payload]
         if self._signer is not None:
             frames.append(self._signer.sign_reply(payload))
         self._socket.send_multipart(frames)
@@ -222,34 +229,47 @@ class SideChannelServer:
         deadline passed; the others stay parked untouched."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
-        for identity, message, park in parked:
+        for route, message, park in parked:
             if keys is None or park.key in keys or park.deadline <= now:
-                self._answer(identity, message, park)
+                self._answer(route, message, park)
             else:
-                self._parked.append((identity, message, park))
+                self._parked.append((route, message, park))
 
     def _receive_one(self) -> None:
         frames = self._socket.recv_multipart()
-        if len(frames) not in (3, 4) or frames[1] != b"":
+        request = _split_request(frames)
+        if request is None:
             logger.warning("side channel dropped a message with %d frame(s)", len(frames))
             return
-        identity, payload = frames[0], frames[2]
-        if not self._authentic(payload, frames[3] if len(frames) == 4 else None):
-            self._send(identity, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
+        route, payload, mac = request
+        if not self._authentic(payload, mac):
+            self._send(route, ErrorReply("unauthenticated: no or a wrong side-channel MAC"))
             return
         try:
             message = decode(payload)
         except WireError as exc:
             logger.warning("side channel rejected a message: %s", exc)
-            self._send(identity, ErrorReply(bounded_text(str(exc))))
+            self._send(route, ErrorReply(bounded_text(str(exc))))
             return
-        self._answer(identity, message)
+        self._answer(route, message)
 
     def close(self) -> None:
         with self._wake_lock:
             self._stop.set()
             self._wake_out.close()
         self._thread.join(timeout=5)
+
+
+def _split_request(frames: list[bytes]) -> tuple[Route, bytes, bytes | None] | None:
+    """``[identity, (tag,) b"", payload, (mac)]`` as (route, payload, mac); None if malformed."""
+    for route_len in (1, 2):
+        if len(frames) > route_len and frames[route_len] == b"":
+            body = frames[route_len + 1 :]
+            tag_too_long = route_len == 2 and len(frames[1]) > MAX_TAG_BYTES
+            if len(body) not in (1, 2) or tag_too_long:
+                return None
+            return tuple(frames[:route_len]), body[0], body[1] if len(body) == 2 else None
+    return None
 
 
 #: Sockets one thread keeps open to distinct peers (see :meth:`SideChannelClient._socket`).
@@ -312,31 +332,45 @@ class SideChannelClient:
         except zmq.ZMQError as exc:  # out of sockets or file descriptors: retried like a timeout
             raise SideChannelError(f"no socket to {host}:{port}: {exc}") from exc
         try:
-            payload = encode(message)
-            frames = [b"", payload]
-            if self._signer is not None:
-                frames.append(self._signer.sign_request(payload))
-            sock.send_multipart(frames)
+            sock.send_multipart(self.request_frames(message))
             if not sock.poll(self._timeout_ms, zmq.POLLIN):
                 raise PeerSilent(f"no reply from {host}:{port} within {self._timeout_ms} ms")
-            frames = sock.recv_multipart()
-            if len(frames) not in (2, 3) or frames[0] != b"":
-                raise SideChannelError(f"malformed reply from {host}:{port}")
-            mac = frames[2] if len(frames) == 3 else None
-            if self._signer is not None and not self._signer.reply_is_genuine(frames[1], mac):
-                raise PeerRefused(
-                    f"{host}:{port} answered without a valid side-channel MAC: it has no "
-                    f"side-channel secret or another one"
-                )
-            reply = decode(frames[1])
-        except (SideChannelError, WireError, zmq.ZMQError) as exc:
+            reply = self.read_reply(sock.recv_multipart(), host, port)
+        except (SideChannelError, zmq.ZMQError) as exc:
             self._drop(peer, sock)
             if isinstance(exc, SideChannelError):
                 raise
             raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
-        if isinstance(reply, ErrorReply):
-            raise PeerRefused(f"{host}:{port} refused {type(message).__name__}: {reply.message}")
-        return reply
+        return refusal_checked(reply, message, host, port)
+
+    def request_frames(self, message: Message, tag: bytes | None = None) -> list[bytes]:
+        """``message`` as the frames a DEALER socket sends (``tag``: the reply carries it)."""
+        payload = encode(message)
+        frames = [b"", payload] if tag is None else [tag, b"", payload]
+        if self._signer is not None:
+            frames.append(self._signer.sign_request(payload))
+        return frames
+
+    def read_reply(self, frames: list[bytes], host: str, port: int) -> Message:
+        """The reply in ``frames`` (the tag, if any, already removed); raises
+        :class:`SideChannelError` when malformed, :class:`PeerRefused` when it is not signed
+        with this side's secret."""
+        if len(frames) not in (2, 3) or frames[0] != b"":
+            raise SideChannelError(f"malformed reply from {host}:{port}")
+        mac = frames[2] if len(frames) == 3 else None
+        if self._signer is not None and not self._signer.reply_is_genuine(frames[1], mac):
+            raise PeerRefused(
+                f"{host}:{port} answered without a valid side-channel MAC: it has no "
+                f"side-channel secret or another one"
+            )
+        try:
+            return decode(frames[1])
+        except WireError as exc:
+            raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
+
+    @property
+    def context(self) -> zmq.Context:
+        return self._context
 
     def fetch_metadata(self, host: str, port: int) -> Message:
         return self.request(host, port, GetMetadata())
@@ -354,3 +388,10 @@ class SideChannelClient:
             for sock in self._all_sockets:
                 sock.close()
             self._all_sockets.clear()
+
+
+def refusal_checked(reply: Message, request: Message, host: str, port: int) -> Message:
+    """``reply``, unless it is the peer's error reply: then :class:`PeerRefused`."""
+    if isinstance(reply, ErrorReply):
+        raise PeerRefused(f"{host}:{port} refused {type(request).__name__}: {reply.message}")
+    return reply

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from ..connector.params import MAX_TRANSFER_ID_CHARS
 from .balancer import Balancer, EjectionPolicy, Upstream
 from .errors import (
-    CONNECTION_FAILURES,
+    NO_ANSWER_FAILURES,
     UpstreamUnreachable,
     error_response,
     upstream_failure_response,
@@ -139,8 +139,8 @@ class DisaggregatingProxy:
     async def fetch_prefill(
         self, path: str, headers: dict[str, str], json_body: dict[str, Any]
     ) -> tuple[Upstream, httpx.Response]:
-        """The serial prefill leg: the best instance that accepts the connection, each pinned
-        to the engine the proxy picks there (one whose address it has yet to learn, if any)."""
+        """The serial prefill leg: the best instance that answers, each pinned to the engine the
+        proxy picks there (one whose address it has yet to learn, if any)."""
         return await self.upstreams.first_that_connects(
             self.prefill,
             "POST",
@@ -350,12 +350,12 @@ class DisaggregatingProxy:
                 overlapped_prefill_body(client_body, transfer_id),
             )
             trace.mark("prefill_answered")
-        except CONNECTION_FAILURES as error:
+        except NO_ANSWER_FAILURES as error:
             await self._abandon(decode_leg)
             self.prefill_ranks.forget(prefill_upstream.url)
             self.metrics.serial_fallbacks.inc()
             logger.warning(
-                "request %s: prefill %s refused the connection (%s); going serial",
+                "request %s: prefill %s failed before answering (%s); going serial",
                 request_id,
                 prefill_upstream.url,
                 error,

@@ -11,19 +11,29 @@ from collections.abc import Sequence
 import httpx
 from fastapi.responses import JSONResponse
 
-#: Failures to reach an instance at all: the request never got there, so another instance may
-#: be tried and the instance counts a failure towards its ejection. Errors after the connection
-#: was made (a read timeout, a dropped stream, an HTTP error status) are not among them.
-CONNECTION_FAILURES: tuple[type[httpx.HTTPError], ...] = (httpx.ConnectError, httpx.ConnectTimeout)
+#: Failures before an instance answered anything: a refused or timed-out connect, or a
+#: connection it closed or reset before the status line. Another instance may be tried and the
+#: instance counts a failure towards its ejection. The second kind is an instance starting up
+#: (vLLM binds its port before its engine is ready, then drops what it accepted), dying with
+#: the request, or closing an idle keep-alive connection as it is reused; resending is safe for
+#: either leg: prefill's KV hold dies with it or expires, and a decode that had not answered
+#: had not begun the stream (a decode that did and then died leaves prefill's hold unread).
+#: Errors once an answer began (a read timeout, a dropped stream, an HTTP error status) are not
+#: among them: the request is never sent twice after that.
+NO_ANSWER_FAILURES: tuple[type[httpx.HTTPError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
 
 
 class UpstreamUnreachable(Exception):
-    """No instance of a role accepted a connection."""
+    """No instance of a role answered: each refused the connection or dropped it unanswered."""
 
     def __init__(self, role: str, path: str, attempts: Sequence[str]) -> None:
-        super().__init__(
-            f"no {role} instance accepted a connection for {path}; tried: {'; '.join(attempts)}"
-        )
+        super().__init__(f"no {role} instance answered {path}; tried: {'; '.join(attempts)}")
 
 
 def describe_error(error: BaseException) -> str:

@@ -1,8 +1,9 @@
 """The proxy's HTTP connection layer: a request opened on the best instance of a role.
 
 :meth:`UpstreamClient.open` sends to the instances of one role in the balancer's order until
-one accepts the connection (only connection failures move on: a request that reached an
-instance is never sent twice), counts the instance busy until its answer is read or relayed,
+one answers (only failures before any answer move on, see ``errors.NO_ANSWER_FAILURES``: a
+request an instance began answering is never sent twice), counts the instance busy until its
+answer is read or relayed,
 and reports each connection's outcome to the ejection bookkeeping (:mod:`.health`).
 :meth:`UpstreamClient.relay` gives an opened answer to the client, event streams chunk by chunk,
 and releases the instance however the stream ends.
@@ -19,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .balancer import Balancer, Upstream
-from .errors import CONNECTION_FAILURES, UpstreamUnreachable, describe_error
+from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, describe_error
 from .health import UpstreamOutcomes
 from .metrics import ProxyMetrics
 from .trace import RequestTrace
@@ -94,7 +95,7 @@ class UpstreamClient:
         headers: dict[str, str],
         json_body: dict[str, Any] | None = None,
     ) -> tuple[Upstream, httpx.Response]:
-        """Send to the best instance that accepts the connection; the body is left unread.
+        """Send to the best instance that answers; the body is left unread.
 
         The returned instance is counted as busy until the caller releases it.
         """
@@ -112,10 +113,11 @@ class UpstreamClient:
         path: str,
         send: Callable[[Upstream], Awaitable[_Opened]],
     ) -> tuple[Upstream, _Opened]:
-        """``send`` to each instance in rank order until one accepts the connection.
+        """``send`` to each instance in rank order until one answers.
 
-        Only connection failures move on to the next instance: the request never reached that
-        one, so trying another cannot run it twice. Ejections are logged once by
+        Only failures before any answer (``NO_ANSWER_FAILURES``) move on to the next instance:
+        that one refused the connection, or dropped it unanswered (starting up, dying, or an
+        idle keep-alive closed at reuse). Ejections are logged once by
         :class:`UpstreamOutcomes`; each failover is logged at DEBUG only, so a dead instance
         cannot flood the log.
         """
@@ -123,11 +125,11 @@ class UpstreamClient:
         for upstream in balancer.ranked():
             try:
                 opened = await send(upstream)
-            except CONNECTION_FAILURES as error:
+            except NO_ANSWER_FAILURES as error:
                 attempts.append(f"{upstream.url} ({describe_error(error)})")
                 self.metrics.failovers.labels(balancer.role).inc()
                 logger.debug(
-                    "%s instance %s refused %s %s (%s); trying the next one",
+                    "%s instance %s did not answer %s %s (%s); trying the next one",
                     balancer.role,
                     upstream.url,
                     method,
@@ -149,8 +151,8 @@ class UpstreamClient:
     ) -> httpx.Response:
         """Send to one instance, counted busy until released; the body is left unread.
 
-        A connection failure counts towards the instance's ejection; any answer, an HTTP error
-        status included (the client gets it unchanged), proves it reachable.
+        A failure before any answer counts towards the instance's ejection; any answer, an HTTP
+        error status included (the client gets it unchanged), proves it reachable.
         """
         balancer.acquire(upstream)
         request = self.client.build_request(
@@ -158,7 +160,7 @@ class UpstreamClient:
         )
         try:
             response = await self.client.send(request, stream=True)
-        except CONNECTION_FAILURES as error:
+        except NO_ANSWER_FAILURES as error:
             balancer.release(upstream)
             self.outcomes.failed(balancer, upstream, f"{method} {path}: {describe_error(error)}")
             raise

@@ -1,0 +1,319 @@
+"""Decode side: every read claim this worker has outstanding, multiplexed on one thread.
+
+A claim of a pull admitted before prefill finished (overlapped legs) may wait for its grant up to
+``prefill_wait_s``. A thread per waiting claim would cap how many claims wait at once and queue
+the rest (and pulls whose KV is held already) behind them, so one thread here keeps every claim:
+one DEALER socket per prefill worker, any number of claims outstanding on it, each exchange
+tagged so its reply finds it (:mod:`.side_channel`'s routing envelope). Prefill holds a pending
+claim open (long poll) and answers as soon as it registers the request; while the answer is
+"pending" and the claim's deadline has not passed, the claim is asked again. An exchange
+unanswered within the side channel's timeout (plus the time prefill may hold it) is asked again
+under a new tag, a late answer to the old one being ignored, until ``attempts`` went unanswered
+(:class:`~.side_channel.PeerSilent`). Whether the claim is still wanted is checked every
+:data:`TICK_S`, so a cancelled or shut-down pull gives up within a tick, not at the end of a
+long poll.
+
+The caller gets a :class:`~concurrent.futures.Future` of the last answer (granted, refused, or
+still pending at the deadline) and decides what it means; callbacks run on this thread, so they
+must hand any slow work to a pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+
+from ..log import get_logger
+from .side_channel import (
+    PeerSilent,
+    SideChannelClient,
+    SideChannelError,
+    refusal_checked,
+    zmq_address,
+)
+from .wire import MAX_MESSAGE_BYTES, ClaimRead, ClaimReply, Message
+
+logger = get_logger(__name__)
+
+#: How often waiting claims are checked for cancellation and deadlines.
+TICK_S = 0.05
+#: Sockets to prefill workers without a claim outstanding kept open (least recently used go).
+MAX_IDLE_SOCKETS = 16
+
+
+@dataclass(frozen=True)
+class ClaimAnswer:
+    """A claim's last answer and when the exchange that got it was sent (a lease runs from
+    there)."""
+
+    reply: Message
+    sent_at: float
+
+
+@dataclass(eq=False)
+class _Claim:
+    peer: tuple[str, int]
+    message: ClaimRead
+    deadline: float
+    check: Callable[[], None]  # raises when the claim is no longer wanted
+    future: Future[ClaimAnswer]
+    poll_s: float  # the wait before asking again after an answer that was not held
+    tag: bytes = b""
+    sent_at: float = 0.0
+    expires_at: float = 0.0  # the outstanding exchange is given up then
+    ask_at: float | None = None  # when to ask again (None: an exchange is outstanding)
+    unanswered: int = 0
+    done: bool = False
+
+
+class ClaimExchange:
+    """Claims to prefill workers, any number outstanding, on one thread."""
+
+    def __init__(
+        self,
+        client: SideChannelClient,
+        attempts: int = 2,
+        poll_s: tuple[float, float] = (0.001, 0.01),
+        name: str = "vam-claims",
+    ) -> None:
+        self._client = client
+        self._attempts = attempts
+        self._first_poll_s, self._longest_poll_s = poll_s
+        self._context = client.context
+        self._new: queue.SimpleQueue[_Claim] = queue.SimpleQueue()
+        self._claims: set[_Claim] = set()
+        self._by_tag: dict[bytes, _Claim] = {}
+        self._tags = itertools.count()
+        self._sockets: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+        self._peer_of: dict[zmq.Socket, tuple[str, int]] = {}
+        self._poller = zmq.Poller()
+        wake_address = f"inproc://vam-claims-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PULL)
+        self._wake_in.bind(wake_address)
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._wake_out = self._context.socket(zmq.PUSH)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake_address)
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        """Claims not answered yet (for tests and metrics)."""
+        return len(self._claims)
+
+    def claim(
+        self,
+        host: str,
+        port: int,
+        message: ClaimRead,
+        deadline: float,
+        check: Callable[[], None],
+    ) -> Future[ClaimAnswer]:
+        """Ask ``host:port`` for ``message``'s lease until it answers other than "pending" or
+        ``deadline`` (``time.monotonic``) passes; ``check`` raising ends the claim with its
+        exception. The future fails with :class:`SideChannelError` when the peer stays silent
+        or refuses the message itself."""
+        claim = _Claim((host, port), message, deadline, check, Future(), self._first_poll_s)
+        with self._wake_lock:
+            if self._closed:
+                claim.future.set_exception(SideChannelError("the decode worker is shutting down"))
+                return claim.future
+            self._new.put(claim)
+            with contextlib.suppress(zmq.Again):  # a full queue: the thread's next tick sees it
+                self._wake_out.send(b"", zmq.NOBLOCK)
+        return claim.future
+
+    def close(self) -> None:
+        """Fail every claim still waiting and stop the thread."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(zmq.Again):
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            self._wake_out.close()
+        self._thread.join(timeout=10)
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                for sock, _ in self._poller.poll(self._poll_timeout_ms()):
+                    if sock is self._wake_in:
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                    else:
+                        self._receive(sock)
+                if self._closed:
+                    break
+                while not self._new.empty():
+                    self._start(self._new.get())
+                self._tick(time.monotonic())
+        except Exception:  # never leave a waiter hanging: fail what is left
+            logger.exception("the claims thread failed")
+        finally:
+            while not self._new.empty():
+                self._claims.add(self._new.get())
+            for claim in list(self._claims):
+                try:  # a claim the caller gave up on ends as the caller says
+                    claim.check()
+                except Exception as exc:
+                    self._end(claim, error=exc)
+                else:
+                    self._end(claim, error=SideChannelError("the decode worker is shutting down"))
+            for sock in self._sockets.values():
+                sock.close()
+            self._wake_in.close()
+
+    def _poll_timeout_ms(self) -> int:
+        soonest = time.monotonic() + TICK_S
+        for claim in self._claims:
+            if claim.ask_at is not None and claim.ask_at < soonest:
+                soonest = claim.ask_at
+        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+
+    def _start(self, claim: _Claim) -> None:
+        self._claims.add(claim)
+        self._ask(claim, time.monotonic())
+
+    def _ask(self, claim: _Claim, now: float) -> None:
+        try:
+            claim.check()
+        except Exception as exc:
+            self._end(claim, error=exc)
+            return
+        self._by_tag.pop(claim.tag, None)
+        claim.tag = b"%x" % next(self._tags)
+        claim.sent_at, claim.ask_at = now, None
+        claim.expires_at = now + self._client.timeout_s + claim.message.wait_s
+        try:
+            self._socket(claim.peer).send_multipart(
+                self._client.request_frames(claim.message, claim.tag), zmq.NOBLOCK
+            )
+        except zmq.ZMQError as exc:  # out of sockets or a full queue: retried like silence
+            logger.warning("claim to %s:%d not sent: %s", *claim.peer, exc)
+            claim.expires_at = now
+        self._by_tag[claim.tag] = claim
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        host, port = self._peer_of[sock]
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            claim = self._by_tag.get(frames[0]) if frames else None
+            if claim is None or claim.peer != (host, port):
+                continue  # the answer to an exchange given up on: its claim asked again
+            try:
+                reply = refusal_checked(
+                    self._client.read_reply(frames[1:], host, port), claim.message, host, port
+                )
+            except SideChannelError as exc:
+                self._end(claim, error=exc)
+                continue
+            now = time.monotonic()
+            pending = isinstance(reply, ClaimReply) and reply.status == "pending"
+            if not pending or now > claim.deadline:
+                self._end(claim, answer=ClaimAnswer(reply, claim.sent_at))
+                continue
+            self._by_tag.pop(claim.tag, None)
+            claim.unanswered = 0
+            if now - claim.sent_at < claim.poll_s:  # answered at once, not held: do not hammer
+                claim.ask_at = now + claim.poll_s
+                claim.poll_s = min(claim.poll_s * 1.5, self._longest_poll_s)
+            else:
+                claim.ask_at = now
+
+    def _tick(self, now: float) -> None:
+        for claim in list(self._claims):
+            if claim.ask_at is not None:
+                if now >= claim.ask_at:
+                    self._ask(claim, now)
+                continue
+            try:
+                claim.check()
+            except Exception as exc:
+                self._end(claim, error=exc)
+                continue
+            if now < claim.expires_at:
+                continue
+            claim.unanswered += 1
+            if claim.unanswered >= self._attempts:
+                self._end(
+                    claim,
+                    error=PeerSilent(
+                        f"no answer from {claim.peer[0]}:{claim.peer[1]} to {claim.unanswered} "
+                        f"read claim(s) of {claim.message.request_id} within "
+                        f"{self._client.timeout_s:.0f} s each"
+                    ),
+                )
+            else:
+                logger.warning(
+                    "claim of %s: no answer from %s:%d; asking again",
+                    claim.message.request_id,
+                    *claim.peer,
+                )
+                self._ask(claim, now)
+
+    def _end(
+        self,
+        claim: _Claim,
+        answer: ClaimAnswer | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        if claim.done:
+            return
+        claim.done = True
+        self._claims.discard(claim)
+        self._by_tag.pop(claim.tag, None)
+        if answer is not None:
+            claim.future.set_result(answer)
+        else:
+            claim.future.set_exception(error or SideChannelError("claim ended without answer"))
+        self._close_idle_sockets()
+
+    def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
+        sock = self._sockets.get(peer)
+        if sock is not None:
+            self._sockets.move_to_end(peer)
+            return sock
+        host, port = peer
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(zmq_address(host, port))
+        self._sockets[peer] = sock
+        self._peer_of[sock] = peer
+        self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _close_idle_sockets(self) -> None:
+        """Close the least recently used sockets beyond :data:`MAX_IDLE_SOCKETS` that no claim
+        waits on: prefill workers come and go (rollouts), the ZMQ context's sockets do not."""
+        if len(self._sockets) <= MAX_IDLE_SOCKETS:
+            return
+        busy = {claim.peer for claim in self._claims}
+        for peer in list(self._sockets):
+            if len(self._sockets) <= MAX_IDLE_SOCKETS:
+                return
+            if peer not in busy:
+                sock = self._sockets.pop(peer)
+                self._poller.unregister(sock)
+                del self._peer_of[sock]
+                sock.close()
