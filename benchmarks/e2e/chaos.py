@@ -112,6 +112,8 @@ class ChaosReport:
     decode_rss_mib: tuple[float, float]  # before and after the load
     leaked: dict[str, float]  # instance -> KV cache usage still held once settled
     dead: list[str]
+    #: decode's failed pulls by kind (the faults make some: each ends a request with an error)
+    failed_pulls: dict[str, int] = field(default_factory=dict)
 
     @property
     def answered(self) -> int:
@@ -157,7 +159,8 @@ class ChaosReport:
             f"clients left, {len(self.errors)} errors by status {statuses}), slowest "
             f"{slowest:.1f} s; faults at {self.faults}; decode RSS "
             f"{self.decode_rss_mib[0]:.0f} -> {self.decode_rss_mib[1]:.0f} MiB "
-            f"({self.rss_growth_mib_per_1000:+.1f} MiB per 1,000 requests); "
+            f"({self.rss_growth_mib_per_1000:+.1f} MiB per 1,000 requests); failed pulls by "
+            f"kind {self.failed_pulls}; "
             f"{'two hosts, link slowed' if self.two_hosts else 'loopback, no link fault'}"
             + "".join(f"\n  HTTP {status}: {body}" for status, body in samples.items())
         )
@@ -427,6 +430,7 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
             if usage > 0:
                 leaked[role] = usage
         rss_after = rss_mib(pd.decode.pid)
+        failed_pulls = pd.failed_pulls_by_kind()
     return ChaosReport(
         asdict(settings),
         two_hosts,
@@ -436,6 +440,7 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
         (rss_before, rss_after),
         leaked,
         dead,
+        failed_pulls,
     )
 
 

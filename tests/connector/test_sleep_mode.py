@@ -25,6 +25,7 @@ from vllm_ascend_mooncake.connector.wiring import (
 )
 from vllm_ascend_mooncake.connector.worker import ASLEEP, ConnectorWorker
 from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.launch.ports import free_port_range
@@ -139,6 +140,7 @@ def test_prefill_asleep_frees_its_holds_refuses_claims_and_serves_again_after_wa
         assert pair.finished_on_prefill({"r-late"}) == {"r-late"}  # not held while asleep
         outcome = pair.pull("d-asleep", "t-late", (2,))
         assert "asleep" in outcome["failed"]["d-asleep"].reason
+        assert outcome["failed"]["d-asleep"].kind is FailureKind.REFUSED
 
         pair.prefill.restore_kv_caches()
         pair.prefill.restore_kv_caches()  # idempotent
@@ -146,6 +148,7 @@ def test_prefill_asleep_frees_its_holds_refuses_claims_and_serves_again_after_wa
         # A transfer released for the sleep stays refused: its blocks hold other bytes now.
         stale = pair.pull("d-old", "t-old", (4,))
         assert "already released" in stale["failed"]["d-old"].reason
+        assert stale["failed"]["d-old"].kind is FailureKind.REFUSED
         pair.tracker.hold(
             "t-new", request_id="r-new", block_ids=(4, 1), num_prompt_tokens=2 * BLOCK
         )
@@ -188,6 +191,7 @@ def test_decode_asleep_fails_pulls_at_once_and_pulls_again_after_wake_up() -> No
         pair.tracker.hold("t-1", request_id="r-1", block_ids=(4,), num_prompt_tokens=BLOCK)
         asleep = pair.pull("d-1", "t-1", (4,))
         assert asleep["failed"]["d-1"].reason == ASLEEP
+        assert asleep["failed"]["d-1"].kind is FailureKind.UNAVAILABLE_HERE
         assert asleep["failed"]["d-1"].local_block_ids == (0,)  # reported as load errors
         assert bool((_blocks(pair.decode_cache, 0) == -1.0).all())  # nothing landed
 

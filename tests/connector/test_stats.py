@@ -8,6 +8,7 @@ import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
 from vllm_ascend_mooncake.connector.stats import TransferPromMetrics, TransferStats
+from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.timeline import PHASES, PullTimeline
 
 
@@ -15,14 +16,18 @@ def test_worker_stats_aggregate_and_reduce() -> None:
     a, b = TransferStats(), TransferStats()
     a.record_pull(0.5, 10_000_000, 8)
     b.record_pull(1.5, 30_000_000, 16)
-    b.record_failure()
+    b.record_failure(FailureKind.TRANSFER)
+    a.record_failure(FailureKind.REFUSED)
+    b.record_failure(FailureKind.TRANSFER)
     b.record_expired(2)
     wire = pickle.loads(pickle.dumps(b.take()))  # crosses processes as a pickled dict
     assert b.take() is None  # take() resets
     total = a.take().aggregate(TransferStats(data=wire.data))
     summary = total.reduce()
     assert summary["Num successful pulls"] == 2
-    assert summary["Num failed pulls"] == 1
+    assert summary["Num failed pulls"] == 3
+    assert summary["Num failed pulls (transfer)"] == 2
+    assert summary["Num failed pulls (refused)"] == 1
     assert summary["Num expired releases"] == 2
     assert summary["Avg pull time (ms)"] == 1000.0
     assert summary["Total MB pulled"] == 40.0
@@ -47,7 +52,9 @@ def test_prometheus_metrics_follow_observations() -> None:
     metrics = TransferPromMetrics(Config(), types, ["engine"], {0: ["0"]})
     stats = TransferStats()
     stats.record_pull(0.02, 4096, 3, {"grant_wait": 0.04, "read": 0.003})
-    stats.record_failure()
+    stats.record_failure(FailureKind.PEER_UNAVAILABLE)
+    stats.record_failure(FailureKind.PEER_UNAVAILABLE)
+    stats.record_failure(FailureKind.INTEGRITY)
     stats.record_hold_delay(0.002)
     metrics.observe(stats.take().data, engine_idx=0)
     for phase, total in (("grant_wait", 0.04), ("read", 0.003), ("fixup", None)):
@@ -61,9 +68,12 @@ def test_prometheus_metrics_follow_observations() -> None:
         registry.get_sample_value("vllm:mooncake_hetero_pulled_bytes_total", {"engine": "0"})
         == 4096
     )
-    assert (
-        registry.get_sample_value("vllm:mooncake_hetero_failed_pulls_total", {"engine": "0"}) == 1
-    )
+    failed = "vllm:mooncake_hetero_failed_pulls_total"
+    for kind, count in (("peer_unavailable", 2), ("integrity", 1), ("transfer", 0)):
+        assert registry.get_sample_value(failed, {"engine": "0", "kind": kind}) == count
+    # a kind this version does not know (an older or newer worker's) is counted, as internal
+    metrics.observe({"failed_pulls": ["from_the_future"]}, engine_idx=0)
+    assert registry.get_sample_value(failed, {"engine": "0", "kind": "internal"}) == 1
     assert (
         registry.get_sample_value("vllm:mooncake_hetero_pull_seconds_count", {"engine": "0"}) == 1
     )

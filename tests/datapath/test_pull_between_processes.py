@@ -403,6 +403,7 @@ def test_params_naming_blocks_prefill_does_not_hold_for_the_transfer_are_never_r
         pulled = decode.call("pull", [RequestSpec("held", "t-held-2", (0, 1), (3, 4))], 60.0)
     assert refused.done == [] and refused.stray_bytes == 0 and written == 0
     assert "refusing to read blocks prefill does not hold" in refused.failed["forged"]
+    assert refused.failure_kinds == {"forged": "grant_mismatch"}
     assert pulled.done == ["held"] and pulled.wrong_requests == {} and pulled.stray_bytes == 0
 
 

@@ -23,6 +23,7 @@ from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.plan import StagingArea
 from vllm_ascend_mooncake.core.relayout import LocalMemory
 from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.peers import PeerDirectory
@@ -447,6 +448,7 @@ def test_a_slice_pull_without_staging_fails_and_releases_prefill(cluster) -> Non
     decode = c.decode[0]
     decode.wait(["r1"])
     assert "staging" in decode.failed["r1"].reason
+    assert decode.failed["r1"].kind is FailureKind.NO_STAGING
     assert decode.transport.num_reads == 0
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
 
@@ -473,7 +475,7 @@ def test_a_failed_read_fails_the_pull_and_prefill_frees_the_hold(cluster) -> Non
     assert not decode.done
     failure = decode.failed["r1"]
     assert failure.local_block_ids == (4, 5, 6) and not failure.cancelled
-    assert "injected" in failure.reason
+    assert "injected" in failure.reason and failure.kind is FailureKind.TRANSFER
     assert decode.transport.num_failed_reads == FAST.read_retries + 1  # retried, then gave up
     assert c.freed(prefill, "r1")
     assert prefill.notices == [("t-r1", 0, False)]
@@ -513,6 +515,7 @@ def test_an_unsettled_read_is_never_reported_nor_retried(cluster) -> None:
     c.pull("r2", [5], [6])  # within the cool-down: failed at once, reported, not read
     decode.wait(["r2"])
     assert "circuit is open" in decode.failed["r2"].reason
+    assert decode.failed["r2"].kind is FailureKind.PEER_UNAVAILABLE
     assert decode.transport.num_reads == 1
     time.sleep(1.0)
     c.pull("r3", [3], [4])  # the receiver goes on with other requests
@@ -544,6 +547,39 @@ def test_a_pull_cancelled_before_its_grant_is_reported_cancelled(cluster) -> Non
     assert time.monotonic() - started < 1.0  # the cancel, not prefill_wait_s, ended it
     failure = decode.failed["r1"]
     assert failure.cancelled and failure.local_block_ids == (1, 2)
+    assert decode.transport.num_reads == 0
+    assert np.array_equal(decode.cache.bytes, decode.snapshot)
+
+
+def test_each_way_prefill_can_turn_a_claim_down_is_a_failure_of_its_own_kind(cluster) -> None:
+    """Never held within claim_wait_s (not ready), held for another prompt (refused), held in
+    other blocks than the params name (grant mismatch): each fails its pull with its kind, and
+    nothing is read."""
+    c = cluster(4, prefill_tp=1, decode_tp=1)
+    (decode,) = c.decode
+    (prefill,) = c.prefill
+    prefill.tracker.hold("t-other-prompt", request_id="p1", block_ids=(3,), num_prompt_tokens=1)
+    prefill.tracker.hold(
+        "t-other-blocks", request_id="p2", block_ids=(5, 6), num_prompt_tokens=PROMPT_TOKENS
+    )
+    orders = {
+        "never-held": c.order("never-held", [1], [2]),
+        "other-prompt": dataclasses.replace(
+            c.order("x", [2], [3]), request_id="other-prompt", transfer_id="t-other-prompt"
+        ),
+        "other-blocks": dataclasses.replace(
+            c.order("x", [3, 4], [7, 8]), request_id="other-blocks", transfer_id="t-other-blocks"
+        ),
+    }
+    for order in orders.values():
+        decode.receiver.submit(order)
+    decode.wait(list(orders), timeout_s=FAST.claim_wait_s + 10)
+    assert {r: f.kind for r, f in decode.failed.items()} == {
+        "never-held": FailureKind.NOT_READY,
+        "other-prompt": FailureKind.REFUSED,
+        "other-blocks": FailureKind.GRANT_MISMATCH,
+    }
+    assert "the prompts differ" in decode.failed["other-prompt"].reason
     assert decode.transport.num_reads == 0
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
 
@@ -716,6 +752,7 @@ def test_one_decode_instance_reads_prefill_instances_of_two_tp_sizes(cluster) ->
         )
         decode.wait(["r3"])
         assert "params name TP 2" in decode.failed["r3"].reason
+        assert decode.failed["r3"].kind is FailureKind.TP_MISMATCH
     finally:
         other.close()
 
@@ -796,6 +833,7 @@ def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(
     c.pull("r1", [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7])
     decode.wait(["r1"])
     assert "with head-major blocks whose packing is unknown" in str(decode.failed["r1"])
+    assert decode.failed["r1"].kind is FailureKind.INCOMPATIBLE_PEER
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
     # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)
 
@@ -875,6 +913,7 @@ def test_a_quarantined_staging_area_fails_later_pulls_instead_of_hanging_them() 
         d.wait(["waits", "cancelled"], timeout_s=FAST.claim_wait_s + 10)
         assert "no staging area became free" in d.failed["waits"].reason
         assert "1 of 1 held by reads that never settled" in d.failed["waits"].reason
+        assert d.failed["waits"].kind is FailureKind.NO_STAGING
         assert d.failed["cancelled"].cancelled
         assert "quarantined" not in d.done | set(d.failed)  # never reported: bytes may land
     finally:
@@ -1000,6 +1039,7 @@ def test_bytes_corrupted_in_flight_fail_the_verified_pull(cluster, verify) -> No
     if verify:
         assert not decode.done
         assert "the bytes that landed differ from prefill's" in decode.failed["r1"].reason
+        assert decode.failed["r1"].kind is FailureKind.INTEGRITY
         assert c.freed(prefill, "r1") and prefill.notices == [("t-r1", 0, False)]
     else:
         assert decode.done == {"r1"}

@@ -98,6 +98,7 @@ def test_a_killed_and_a_frozen_prefill_cost_a_healthy_one_nothing(tmp_path) -> N
                 for i in range(count)
             ]
             before = settled_totals(pd)
+            kinds_before = pd.failed_pulls_by_kind()
             os.killpg(extra["killed"].pid, signal.SIGKILL)
             os.killpg(extra["frozen"].pid, signal.SIGSTOP)
             frozen = True
@@ -133,6 +134,12 @@ def test_a_killed_and_a_frozen_prefill_cost_a_healthy_one_nothing(tmp_path) -> N
             frozen = False
             totals = settled_totals(pd)
             assert totals["failed"] - before["failed"] == len(doomed), totals
+            kinds = pd.failed_pulls_by_kind()
+            new_kinds = {k: n - kinds_before.get(k, 0) for k, n in kinds.items()}
+            # a dead and a frozen prefill both leave their claims unanswered
+            assert {k: n for k, n in new_kinds.items() if n} == {"peer_unavailable": len(doomed)}, (
+                kinds
+            )
             assert totals["successful"] - before["successful"] == HEALTHY_REQUESTS, totals
             assert totals["expired"] == 0, totals  # the healthy prefill freed by read-done
             assert_extra_prefill_clean(healthy, "the healthy prefill")

@@ -1,7 +1,8 @@
 """Transfer statistics, aggregated across workers and logged the vLLM way ("KV Transfer metrics").
 
 Workers record each completed pull (duration, bytes, descriptors, and the seconds spent in each
-phase of its :mod:`.timeline`), failed pulls, and on prefill the releases by timeout and how long
+phase of its :mod:`.timeline`), failed pulls by kind (:class:`~.failures.FailureKind`), and on
+prefill the releases by timeout and how long
 a finished request waited for its hold to be registered; vLLM ships the plain ``data`` dict to the
 logging process, where :meth:`TransferStats.reduce` turns an interval's observations into a few
 numbers and :class:`TransferPromMetrics` into histograms.
@@ -10,6 +11,7 @@ numbers and :class:`TransferPromMetrics` into histograms.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from ..datapath.failures import FailureKind
 from ..timeline import PHASES
 
 _PHASE_FIELDS = tuple(f"phase_{name}_seconds" for name in PHASES)
@@ -77,9 +80,11 @@ class TransferStats(KVConnectorStats):
         with self._lock:
             self.data["hold_delay_seconds"].append(seconds)
 
-    def record_failure(self) -> None:
+    def record_failure(self, kind: FailureKind) -> None:
+        """Decode: a pull vLLM waited for failed (its blocks are recomputed or the request
+        fails); cancellations are not failures."""
         with self._lock:
-            self.data["failed_pulls"].append(1)
+            self.data["failed_pulls"].append(kind.value)
 
     def record_expired(self, count: int) -> None:
         if count:
@@ -110,6 +115,10 @@ class TransferStats(KVConnectorStats):
         return {
             "Num successful pulls": len(seconds),
             "Num failed pulls": len(self.data.get("failed_pulls", [])),
+            **{
+                f"Num failed pulls ({kind})": count
+                for kind, count in sorted(Counter(self.data.get("failed_pulls", [])).items())
+            },
             "Num expired releases": sum(self.data.get("expired_releases", [])),
             "Avg pull time (ms)": round(1e3 * total_seconds / len(seconds), 3) if seconds else 0,
             "Total MB pulled": round(total_bytes / 1e6, 3),
@@ -174,9 +183,23 @@ class TransferPromMetrics(KVConnectorPromMetrics):
         self._bytes_total = counter(
             "vllm:mooncake_hetero_pulled_bytes", "Total bytes pulled from prefill instances."
         )
-        self._failed = counter(
-            "vllm:mooncake_hetero_failed_pulls", "Requests whose KV could not be pulled."
+        failed_metric = self._counter_cls(
+            name="vllm:mooncake_hetero_failed_pulls",
+            documentation=(
+                "Decode: requests whose KV could not be pulled, by kind of failure (see "
+                "docs/troubleshooting.md)."
+            ),
+            labelnames=[*labelnames, "kind"],
         )
+        self._failed = {
+            kind.value: {
+                idx: failed_metric.labels(*values, kind.value)
+                for idx, values in per_engine_labelvalues.items()
+            }
+            for kind in FailureKind
+            # cancellations are not failures; a pull whose read never settled is never reported
+            if kind not in (FailureKind.CANCELLED, FailureKind.UNSETTLED)
+        }
         self._expired = counter(
             "vllm:mooncake_hetero_expired_releases",
             "Prefill requests released at their deadline because no decode finished reading.",
@@ -213,9 +236,9 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             self._bytes_total[engine_idx].inc(num_bytes)
         for count in data.get("pull_descriptors", []):
             self._pull_descriptors[engine_idx].observe(count)
-        failed = len(data.get("failed_pulls", []))
-        if failed:
-            self._failed[engine_idx].inc(failed)
+        for kind, count in Counter(data.get("failed_pulls", [])).items():
+            per_engine = self._failed.get(kind, self._failed[FailureKind.INTERNAL.value])
+            per_engine[engine_idx].inc(count)
         expired = sum(data.get("expired_releases", []))
         if expired:
             self._expired[engine_idx].inc(expired)

@@ -18,12 +18,13 @@ from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
+from ..datapath.mooncake import MooncakeTransport
 from ..datapath.peers import PeerDirectory
 from ..datapath.receiver import Receiver, ReceiverOptions, StagingPool
 from ..datapath.registration import storage_ranges
 from ..datapath.sender import PrefillSender, SendTracker
 from ..datapath.side_channel import SideChannelClient
-from ..datapath.transport import Transport
+from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError
 from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 from ..defaults import MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
 
@@ -106,6 +107,22 @@ def decode_settings(config: ConnectorConfig, local: RegionLayout | None = None) 
         side_channel_timeout_s=config.side_channel_timeout_s,
         secret=config.side_channel_secret,
     )
+
+
+def create_transport(
+    kind: str,
+    hostname: str,
+    protocol: str,
+    device_name: str = "",
+    device_type: str = "cpu",
+    read_wait: str | None = None,
+) -> Transport:
+    """The transport the configuration names (``transport`` key), started on ``hostname``."""
+    if kind == "mooncake":
+        return MooncakeTransport(
+            hostname, protocol, device_name, device_type=device_type, read_wait=read_wait
+        )
+    raise TransportSetupError(f"transport must be one of {TRANSPORTS}, not {kind!r}")
 
 
 def _metadata(who: WorkerIdentity, transport: Transport, regions: list[Region]) -> WorkerMetadata:

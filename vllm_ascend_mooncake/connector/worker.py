@@ -20,7 +20,7 @@ from ..datapath.pairing import pair_with_prefills, parse_endpoints
 from ..datapath.receiver import Receiver
 from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
 from ..datapath.sender import PrefillSender
-from ..datapath.transport import MemoryRange, Transport, create_transport
+from ..datapath.transport import MemoryRange, Transport
 from ..datapath.wire import ModelIdentity
 from ..defaults import SLEEP_DRAIN_S
 from ..log import get_logger
@@ -36,6 +36,7 @@ from .wiring import (
     WorkerIdentity,
     build_decode_side,
     build_prefill_side,
+    create_transport,
     decode_settings,
     prefill_settings,
 )
@@ -334,9 +335,14 @@ class ConnectorWorker:
                 if failure.cancelled:  # vLLM frees the blocks of a finished request unused
                     logger.info("KV load of request %s cancelled: %s", request_id, failure.reason)
                     continue
-                logger.warning("KV load failed for request %s: %s", request_id, failure.reason)
+                logger.warning(
+                    "KV load failed for request %s (%s): %s",
+                    request_id,
+                    failure.kind.value,
+                    failure.reason,
+                )
                 self._load_errors.update(failure.local_block_ids)
-                self.stats.record_failure()
+                self.stats.record_failure(failure.kind)
             reported = time.monotonic()
             for pull in self.receiver.take_stats():
                 phases = {}

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import BlockOrder, Region, RegionLayout, effective_order
-from .plan import (
-    _move_kind,
-    _MoveKind,
-    _PeerDescriptors,
-    _request_plan,
+from .descriptors import (
+    MoveKind,
+    PeerDescriptors,
+    assemble_plan,
     check_region_tables,
+    move_kind,
 )
+from .layout import BlockOrder, Region, RegionLayout, effective_order
 from .plan_types import PlanError, PlanOptions, RequestPlan, RowCopies, SwapAxes
 from .staging import Staged, StagedRun
 from .topology import HeadPull
@@ -70,44 +70,49 @@ def align_tokens(
     The number of decode blocks of the prompt follows from the prefill block count when the
     decode block is the larger one; otherwise ``num_tokens`` (the prompt length) is required.
     """
-    bd, bp = decode_block_size, prefill_block_size
-    if bd % bp and bp % bd:
-        raise PlanError(f"block size {bp} on prefill vs {bd} on decode: neither divides the other")
+    decode_size, prefill_size = decode_block_size, prefill_block_size
+    if decode_size % prefill_size and prefill_size % decode_size:
+        raise PlanError(
+            f"block size {prefill_size} on prefill vs {decode_size} on decode: neither divides "
+            f"the other"
+        )
     local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
     remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
     prefill_blocks = len(remote)
     if num_tokens is not None:
-        expected = -(-num_tokens // bp)
+        expected = -(-num_tokens // prefill_size)
         if num_tokens < 0 or prefill_blocks != expected:
             raise PlanError(
-                f"the prefill side holds {prefill_blocks} blocks of {bp} tokens, but a "
+                f"the prefill side holds {prefill_blocks} blocks of {prefill_size} tokens, but a "
                 f"{num_tokens}-token prompt fills {expected}"
             )
-        decode_blocks = -(-num_tokens // bd)
-    elif bd >= bp:
-        decode_blocks = -(-(prefill_blocks * bp) // bd)
+        decode_blocks = -(-num_tokens // decode_size)
+    elif decode_size >= prefill_size:
+        decode_blocks = -(-(prefill_blocks * prefill_size) // decode_size)
     else:
         raise PlanError(
-            f"prefill block size {bp} is larger than the decode block size {bd}: the prompt "
-            f"length (num_tokens) is needed to know how many decode blocks it fills"
+            f"prefill block size {prefill_size} is larger than the decode block size "
+            f"{decode_size}: the prompt length (num_tokens) is needed to know how many decode "
+            f"blocks it fills"
         )
     if len(local) > decode_blocks:
         raise PlanError(
-            f"decode side wants {len(local)} blocks of {bd} tokens but the prompt fills only "
-            f"{decode_blocks} (prefill holds {prefill_blocks} blocks of {bp} tokens)"
+            f"decode side wants {len(local)} blocks of {decode_size} tokens but the prompt fills "
+            f"only {decode_blocks} (prefill holds {prefill_blocks} blocks of {prefill_size} "
+            f"tokens)"
         )
     cached = decode_blocks - len(local)
-    piece = min(bp, bd)
-    end = min(prefill_blocks * bp, decode_blocks * bd)
-    starts = np.arange(cached * bd, end, piece, dtype=np.int64)
-    local_index = starts // bd - cached
-    filled = np.minimum(bd, end - (local_index + cached) * bd)
+    piece = min(prefill_size, decode_size)
+    end = min(prefill_blocks * prefill_size, decode_blocks * decode_size)
+    starts = np.arange(cached * decode_size, end, piece, dtype=np.int64)
+    local_index = starts // decode_size - cached
+    filled = np.minimum(decode_size, end - (local_index + cached) * decode_size)
     return TokenPieces(
         tokens=piece,
         local_blocks=local[local_index],
-        local_slots=starts % bd,
-        remote_blocks=remote[starts // bp],
-        remote_slots=starts % bp,
+        local_slots=starts % decode_size,
+        remote_blocks=remote[starts // prefill_size],
+        remote_slots=starts % prefill_size,
         local_filled=filled,
     )
 
@@ -169,7 +174,7 @@ def plan_mixed_block_sizes(
                     num_tokens=num_tokens,
                 )
 
-    per_peer = {pull.prefill_rank: _PeerDescriptors() for pull in pulls}
+    per_peer = {pull.prefill_rank: PeerDescriptors() for pull in pulls}
     staged: dict[int, list[Staged]] = {}
     fixups: list[SwapAxes] = []
 
@@ -180,41 +185,41 @@ def plan_mixed_block_sizes(
 
     for i, local in enumerate(local_regions):
         peers = [remote_regions[p.prefill_rank][i] for p in pulls]
-        ll, rl = local.layout, peers[0].layout
-        pieces = pieces_by_sizes[(ll.tokens_per_block, rl.tokens_per_block)]
+        local_layout, remote_layout = local.layout, peers[0].layout
+        pieces = pieces_by_sizes[(local_layout.tokens_per_block, remote_layout.tokens_per_block)]
         if not len(pieces):
             continue
-        g = pieces.tokens
-        if effective_order(ll, rl) is BlockOrder.HEAD_MAJOR:
+        piece_tokens = pieces.tokens
+        if effective_order(local_layout, remote_layout) is BlockOrder.HEAD_MAJOR:
             for pull, remote in zip(pulls, peers, strict=True):
                 staged.setdefault(pull.prefill_rank, []).extend(
                     _staged_head_chunks(local, remote, pull, pieces, options.coalesce_runs)
                 )
             continue
-        kind = _move_kind(ll, rl, pulls[0])
-        local_blocks = local.base + pieces.local_blocks * ll.block_stride
-        if kind == _MoveKind.SLICE:
+        kind = move_kind(local_layout, remote_layout, pulls[0])
+        local_blocks = local.base + pieces.local_blocks * local_layout.block_stride
+        if kind == MoveKind.SLICE:
             pull, remote = pulls[0], peers[0]
-            rl = remote.layout
+            remote_layout = remote.layout
             remote_starts = (
                 remote.base
-                + pieces.remote_blocks * rl.block_stride
-                + pieces.remote_slots * rl.token_bytes
+                + pieces.remote_blocks * remote_layout.block_stride
+                + pieces.remote_slots * remote_layout.token_bytes
             )
-            dst_starts = local_blocks + pieces.local_slots * ll.token_bytes
+            dst_starts = local_blocks + pieces.local_slots * local_layout.token_bytes
             staged.setdefault(pull.prefill_rank, []).extend(
                 _merge_staged(
                     [
                         StagedRun(
                             remote_addr=int(remote_start),
                             num_blocks=1,
-                            block_len=g * rl.token_bytes,
-                            rows_per_block=g,
-                            src_offset=pull.src_heads.start * rl.head_token_bytes,
-                            src_stride=rl.token_bytes,
+                            block_len=piece_tokens * remote_layout.token_bytes,
+                            rows_per_block=piece_tokens,
+                            src_offset=pull.src_heads.start * remote_layout.head_token_bytes,
+                            src_stride=remote_layout.token_bytes,
                             dst_addr=int(dst_start),
-                            dst_stride=ll.token_bytes,
-                            row_bytes=ll.token_bytes,
+                            dst_stride=local_layout.token_bytes,
+                            row_bytes=local_layout.token_bytes,
                         )
                         for remote_start, dst_start in zip(remote_starts, dst_starts, strict=True)
                     ],
@@ -222,8 +227,8 @@ def plan_mixed_block_sizes(
                 )
             )
         else:  # token-major or latent, whole heads or a merge of whole prefill head groups
-            unit = rl.token_bytes  # the pull's heads of one token
-            landing = _Landing.of(pieces, local, options.coalesce_runs and ll.dense)
+            unit = remote_layout.token_bytes  # the pull's heads of one token
+            landing = _Landing.of(pieces, local, options.coalesce_runs and local_layout.dense)
             for pull, remote in zip(pulls, peers, strict=True):
                 pull_index = pull.dst_heads.start // pull.num_heads if num_pulls > 1 else 0
                 add(
@@ -232,7 +237,7 @@ def plan_mixed_block_sizes(
                     remote.base
                     + pieces.remote_blocks * remote.layout.block_stride
                     + pieces.remote_slots * unit,
-                    np.full(len(pieces), g * unit, dtype=np.int64),
+                    np.full(len(pieces), piece_tokens * unit, dtype=np.int64),
                 )
             if num_pulls > 1:
                 starts, first = np.unique(landing.starts, return_index=True)
@@ -243,7 +248,7 @@ def plan_mixed_block_sizes(
                             starts[rows == count], outer=num_pulls, inner=int(count), unit=unit
                         )
                     )
-    return _request_plan(pulls, per_peer, staged, fixups, options)
+    return assemble_plan(pulls, per_peer, staged, fixups, options)
 
 
 def _merge_staged(runs: list[StagedRun], coalesce: bool) -> list[StagedRun]:
@@ -303,27 +308,30 @@ class _StagedChunks:
         block_of_piece = np.repeat(np.arange(count, dtype=np.int64), pieces_per_block)
         src_chunks = staged_at + block_of_piece * self.block_len
         dst_chunks = self.dst_chunks[lo:hi]
-        bp, bd = self.prefill_layout.tokens_per_block, self.decode_layout.tokens_per_block
+        prefill_size, decode_size = (
+            self.prefill_layout.tokens_per_block,
+            self.decode_layout.tokens_per_block,
+        )
         src_slots, dst_slots = self.src_slots[lo:hi], self.dst_slots[lo:hi]
         copies = []
         src_group = dst_group = 0  # where the row group starts inside a chunk, on each side
         for group in self.decode_layout.packing:
-            w = group.token_bytes
+            token_bytes = group.token_bytes
             copies.append(  # one strided copy per piece: its heads are planes
                 RowCopies(
-                    src_addrs=src_chunks + src_group + src_slots * w,
-                    dst_addrs=dst_chunks + dst_group + dst_slots * w,
-                    src_stride=bp * w,
-                    dst_stride=bd * w,
+                    src_addrs=src_chunks + src_group + src_slots * token_bytes,
+                    dst_addrs=dst_chunks + dst_group + dst_slots * token_bytes,
+                    src_stride=prefill_size * token_bytes,
+                    dst_stride=decode_size * token_bytes,
                     rows=group.rows,
-                    row_bytes=self.piece_tokens * w,
+                    row_bytes=self.piece_tokens * token_bytes,
                     planes=self.num_heads,
                     src_plane_stride=self.prefill_layout.head_chunk_bytes,
                     dst_plane_stride=self.decode_layout.head_chunk_bytes,
                 )
             )
-            src_group += group.rows * bp * w
-            dst_group += group.rows * bd * w
+            src_group += group.rows * prefill_size * token_bytes
+            dst_group += group.rows * decode_size * token_bytes
         return copies
 
 
@@ -333,21 +341,21 @@ def _staged_head_chunks(
     """Staged reads of the pull's heads of every prefill block the pieces touch, in token order:
     runs of consecutive blocks when the pull takes every head of dense blocks (and ``coalesce``),
     single blocks otherwise."""
-    ll, rl = local.layout, remote.layout
-    n = pull.num_heads
+    local_layout, remote_layout = local.layout, remote.layout
+    num_heads = pull.num_heads
     # Pieces come in token order, so the pieces of one prefill block are consecutive.
     first_piece = np.flatnonzero(np.concatenate(([True], np.diff(pieces.remote_blocks) != 0)))
     blocks = pieces.remote_blocks[first_piece]
     piece_bounds = np.concatenate((first_piece, [len(pieces)]))
-    if coalesce and n == rl.num_heads and rl.dense:
+    if coalesce and num_heads == remote_layout.num_heads and remote_layout.dense:
         breaks = np.diff(blocks) != 1
     else:
         breaks = np.ones(max(len(blocks) - 1, 0), dtype=bool)
     run_bounds = np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(blocks)]))
     dst_chunks = (
         local.base
-        + pieces.local_blocks * ll.block_stride
-        + pull.dst_heads.start * ll.head_chunk_bytes
+        + pieces.local_blocks * local_layout.block_stride
+        + pull.dst_heads.start * local_layout.head_chunk_bytes
     )
     runs = []
     for start, end in zip(run_bounds[:-1].tolist(), run_bounds[1:].tolist(), strict=True):
@@ -355,18 +363,18 @@ def _staged_head_chunks(
         runs.append(
             _StagedChunks(
                 remote_addr=remote.base
-                + int(blocks[start]) * rl.block_stride
-                + pull.src_heads.start * rl.head_chunk_bytes,
+                + int(blocks[start]) * remote_layout.block_stride
+                + pull.src_heads.start * remote_layout.head_chunk_bytes,
                 num_blocks=end - start,
-                block_len=n * rl.head_chunk_bytes,
+                block_len=num_heads * remote_layout.head_chunk_bytes,
                 piece_starts=piece_bounds[start : end + 1] - lo,
                 src_slots=pieces.remote_slots[lo:hi],
                 dst_chunks=dst_chunks[lo:hi],
                 dst_slots=pieces.local_slots[lo:hi],
-                num_heads=n,
+                num_heads=num_heads,
                 piece_tokens=pieces.tokens,
-                prefill_layout=rl,
-                decode_layout=ll,
+                prefill_layout=remote_layout,
+                decode_layout=local_layout,
             )
         )
     return runs

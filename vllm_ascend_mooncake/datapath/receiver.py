@@ -57,15 +57,17 @@ from ..defaults import (
 )
 from ..log import get_logger
 from ..timeline import PullTimeline
-from .claims import ClaimAnswer, ClaimExchange
+from .claims import ClaimExchange
+from .failures import FailureKind, PullCancelled, PullError, as_pull_error
 from .lanes import FifoLane
+from .leases import LeasedPeer, Leases, LeaseTerms, agreed_block_ids, check_same_tp
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
-from .peers import PeerDirectory, PrefillPeer
-from .side_channel import PeerRefused, SideChannelClient, SideChannelError
+from .peers import PeerDirectory
+from .side_channel import SideChannelClient, SideChannelError
 from .transport import TransferError, Transport, UnsettledTransfer
 from .verify import IntegrityError, check_digest, landed_checksum, verify_request
-from .wire import ClaimRead, ClaimReply, ReadDone, bounded_text
+from .wire import ClaimReply, ReadDone, bounded_text
 
 logger = get_logger(__name__)
 
@@ -104,19 +106,17 @@ class ReceiverOptions:
 
 @dataclass(frozen=True)
 class PullFailure:
-    """A request whose KV could not be loaded: these local blocks hold garbage.
-
-    ``cancelled``: vLLM finished (aborted) the request while it waited for prefill, and the pull
-    gave up before reading; not a transfer failure.
-    """
+    """A request whose KV could not be loaded: these local blocks hold garbage."""
 
     local_block_ids: tuple[int, ...]
     reason: str
-    cancelled: bool = False
+    kind: FailureKind = FailureKind.INTERNAL
 
-
-class PullCancelled(RuntimeError):
-    """The request finished in vLLM before prefill granted its read; nothing was read."""
+    @property
+    def cancelled(self) -> bool:
+        """vLLM finished (aborted) the request while it waited for prefill, and the pull gave
+        up before reading: not a transfer failure."""
+        return self.kind is FailureKind.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -155,10 +155,11 @@ class StagingPool:
             except queue.Empty:
                 pass
             if time.monotonic() >= deadline:
-                raise RuntimeError(
+                raise PullError(
+                    FailureKind.NO_STAGING,
                     f"no staging area became free within {wait_s:.0f} s ({self.num_quarantined} "
                     f"of {self._size} held by reads that never settled: restart this decode "
-                    f"instance to get them back, or raise staging_buffer_mib)"
+                    f"instance to get them back, or raise staging_buffer_mib)",
                 )
 
     def release(self, area: StagingArea) -> None:
@@ -170,29 +171,15 @@ class StagingPool:
 
 
 @dataclass
-class _Peer:
-    """A prefill rank this request reads, and the read lease it granted."""
-
-    rank: int
-    host: str
-    port: int
-    transport_session: str
-    incarnation: str
-    claimed_at: float = 0.0
-    lease_s: float = 0.0
-
-
-@dataclass
 class _InFlight:
     pull: PullOrder
     plan: RequestPlan
-    peers: dict[int, _Peer]
+    peers: dict[int, LeasedPeer]
     remaining: int
     started: float
     timeline: PullTimeline
     staging: StagingArea | None = None
-    failure: str | None = None
-    cancelled: bool = False  # the failure is a cancellation (see PullCancelled)
+    failure: PullError | None = None
     quarantined: bool = False  # a read may still write its local memory: never report it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -207,46 +194,8 @@ class _Lookup:
     remote_tables: dict[int, Sequence[Region]]
 
 
-def _settle(target: Future, source: Future) -> None:
-    """Give ``target`` the outcome of the finished ``source``."""
-    exc = source.exception()
-    if exc is None:
-        target.set_result(source.result())
-    else:
-        target.set_exception(exc)
-
-
-def _agreed_block_ids(
-    pull: PullOrder, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
-) -> tuple[int, ...]:
-    """The prefill block ids a grant names, checked against the prompt and against what is
-    already known: the request's params (serial legs) or the other ranks' grants (overlapped).
-
-    A decode reads only blocks that prefill holds for this transfer: params naming other blocks
-    (a client's own, or a stale or forged hand-off) are refused, not read."""
-    block_ids = tuple(granted.block_ids)
-    if granted.num_prompt_tokens != pull.num_prompt_tokens or not block_ids:
-        raise RuntimeError(
-            f"prefill computed {granted.num_prompt_tokens} prompt tokens in {len(block_ids)} "
-            f"blocks, the decode request has {pull.num_prompt_tokens} tokens"
-        )
-    if so_far is not None and block_ids != so_far:
-        named_by = "another prefill rank" if pull.early else "the request's kv_transfer_params"
-        raise RuntimeError(
-            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
-            f"{named_by} in {list(so_far)[:8]}...: refusing to read blocks prefill does not hold "
-            f"for this transfer"
-        )
-    return block_ids
-
-
-def _check_same_tp(prefill: PrefillPeer, topology: TransferTopology) -> None:
-    """The prefill worker runs the TP size the request's params name (which chose the ranks)."""
-    if prefill.topology.prefill_tp != topology.prefill_tp:
-        raise RuntimeError(
-            f"prefill engine {prefill.engine_id} runs TP {prefill.topology.prefill_tp}, but the "
-            f"request's kv_transfer_params name TP {topology.prefill_tp}"
-        )
+def _shutting_down(exc: Exception) -> PullError:
+    return PullError(FailureKind.UNAVAILABLE_HERE, f"the decode worker is shutting down ({exc})")
 
 
 class Receiver:
@@ -284,6 +233,19 @@ class Receiver:
         # once: a pull whose KV is held already never queues behind them.
         self._claims = ClaimExchange(
             client, self._options.claim_attempts, self._options.claim_poll_s
+        )
+        self._leases = Leases(
+            self._claims,
+            peers,
+            LeaseTerms(
+                self._options.claim_wait_s,
+                self._options.prefill_wait_s,
+                self._options.claim_park_s,
+            ),
+            decode_rank,
+            topology.decode_tp,
+            self._check_cancelled,
+            self._submit_planning,
         )
         self._lanes: dict[str, FifoLane] = {}  # reads, by prefill transport session
         #: peer lookups, by prefill instance (host, first side-channel port)
@@ -324,7 +286,7 @@ class Receiver:
                 self._in_flight.add(pull.request_id)
                 suspended = self._suspended
             if suspended is not None:
-                self._finish(pull, suspended)
+                self._finish(pull, PullError(FailureKind.UNAVAILABLE_HERE, suspended))
                 return
         self._queue.put((pull, PullTimeline(submitted=time.monotonic())))
 
@@ -407,7 +369,7 @@ class Receiver:
             try:
                 self._lookup_lane(pull.remote_host, pull.remote_port).push(item)
             except RuntimeError as exc:  # the pool shut down
-                self._finish(pull, failure=f"the decode worker is shutting down ({exc})")
+                self._finish(pull, _shutting_down(exc))
 
     def _lookup_lane(self, host: str, port: int) -> FifoLane:
         """The lane looking up one prefill instance's ranks: a peer that does not answer its
@@ -426,19 +388,19 @@ class Receiver:
         try:
             self._prepare_pool.submit(task, *args)
         except RuntimeError as exc:
-            self._finish(pull, failure=f"the decode worker is shutting down ({exc})")
+            self._finish(pull, _shutting_down(exc))
 
     def _prepare(self, pull: PullOrder, timeline: PullTimeline) -> None:
         """Look the prefill ranks up and claim every one's lease at once; the plan is made when
         the last grant arrives. No thread waits for a grant (:mod:`.claims`)."""
-        peers: dict[int, _Peer] = {}
+        peers: dict[int, LeasedPeer] = {}
         try:
             lookup = self._look_up(pull, peers)
             if not pull.local_block_ids:  # release-only: nothing to claim or read
                 self._plan_and_read(pull, peers, lookup, pull.remote_block_ids, timeline)
                 return
             claims = {
-                rank: self._first_claim(pull, peer, lookup.remote_tables)
+                rank: self._leases.first_claim(pull, peer, lookup.remote_tables, lookup.topology)
                 for rank, peer in peers.items()
             }
         except Exception as exc:
@@ -460,7 +422,7 @@ class Receiver:
     def _granted(
         self,
         pull: PullOrder,
-        peers: dict[int, _Peer],
+        peers: dict[int, LeasedPeer],
         lookup: _Lookup,
         claims: dict[int, Future[ClaimReply]],
         timeline: PullTimeline,
@@ -469,21 +431,27 @@ class Receiver:
         try:
             remote_block_ids = pull.remote_block_ids
             for rank, claim in claims.items():
-                remote_block_ids = _agreed_block_ids(pull, rank, remote_block_ids, claim.result())
+                remote_block_ids = agreed_block_ids(pull, rank, remote_block_ids, claim.result())
             timeline.granted = time.monotonic()
             self._plan_and_read(pull, peers, lookup, remote_block_ids, timeline)
         except Exception as exc:
             self._give_up(pull, peers, exc)
 
-    def _give_up(self, pull: PullOrder, peers: dict[int, _Peer], exc: Exception) -> None:
-        cancelled = isinstance(exc, PullCancelled)
-        log = logger.info if cancelled else logger.warning
-        log("cannot pull KV for request %s: %s", pull.request_id, exc)
+    def _give_up(self, pull: PullOrder, peers: dict[int, LeasedPeer], exc: Exception) -> None:
+        failure = as_pull_error(exc)
+        if failure.kind is FailureKind.CANCELLED:
+            logger.info("cannot pull KV for request %s: %s", pull.request_id, exc)
+        elif failure.kind is FailureKind.INTERNAL:
+            logger.error("cannot pull KV for request %s: %s", pull.request_id, exc, exc_info=exc)
+        else:
+            logger.warning(
+                "cannot pull KV for request %s (%s): %s", pull.request_id, failure.kind.value, exc
+            )
         for peer in peers.values():  # release what was looked up; others expire it
             self._notify(peer, pull.transfer_id, str(exc))
-        self._finish(pull, failure=str(exc), cancelled=cancelled)
+        self._finish(pull, failure)
 
-    def _look_up(self, pull: PullOrder, peers: dict[int, _Peer]) -> _Lookup:
+    def _look_up(self, pull: PullOrder, peers: dict[int, LeasedPeer]) -> _Lookup:
         """The request's topology and the prefill ranks it reads (into ``peers``, so that a
         failure later releases exactly those)."""
         seed = request_seed(pull.transfer_id)
@@ -497,9 +465,9 @@ class Receiver:
             rank = head_pull.prefill_rank
             port = pull.remote_port + rank
             prefill = self._peers.get(pull.remote_host, port, engine_id)
-            _check_same_tp(prefill, topology)
+            check_same_tp(prefill, topology)
             remote_tables[rank] = prefill.regions
-            peers[rank] = _Peer(
+            peers[rank] = LeasedPeer(
                 rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
             )
             with self._lock:
@@ -510,7 +478,7 @@ class Receiver:
     def _plan_and_read(
         self,
         pull: PullOrder,
-        peers: dict[int, _Peer],
+        peers: dict[int, LeasedPeer],
         lookup: _Lookup,
         remote_block_ids: Sequence[int] | None,
         timeline: PullTimeline,
@@ -522,9 +490,11 @@ class Receiver:
             self._local_regions, lookup.remote_tables, lookup.pulls
         ):
             if self._staging is None:
-                raise RuntimeError(
+                raise PullError(
+                    FailureKind.NO_STAGING,
                     "this worker has no staging buffer, which this request needs (a slice of "
-                    "token-major blocks, or head-major blocks of another block size)"
+                    "token-major blocks, or head-major blocks of another block size): set "
+                    "staging_buffer_mib on this decode instance",
                 )
             staging = self._staging.acquire(
                 self._options.claim_wait_s,
@@ -570,105 +540,6 @@ class Receiver:
             return topologies.configured
         return topologies.with_remote_tp(pull.remote_tp_size)
 
-    def _first_claim(
-        self, pull: PullOrder, peer: _Peer, remote_tables: dict[int, Sequence[Region]]
-    ) -> Future[ClaimReply]:
-        """The first claim; an early pull whose cached peer restarted claims again from the new
-        one (the transfer id is unique, so the new incarnation is the one computing it)."""
-        granted: Future[ClaimReply] = Future()
-
-        def answered(claim: Future[ClaimReply]) -> None:
-            if pull.early and isinstance(claim.exception(), PeerRefused):
-                # looking the peer up may fetch its metadata: not on the claims thread
-                self._submit_planning(
-                    pull, self._claim_restarted, pull, peer, remote_tables, claim, granted
-                )
-            else:
-                _settle(granted, claim)
-
-        self._claim(pull, peer).add_done_callback(answered)
-        return granted
-
-    def _claim_restarted(
-        self,
-        pull: PullOrder,
-        peer: _Peer,
-        remote_tables: dict[int, Sequence[Region]],
-        refused: Future[ClaimReply],
-        granted: Future[ClaimReply],
-    ) -> None:
-        try:
-            prefill = self._peers.get(peer.host, peer.port)  # invalidated by the refusal
-            if prefill.incarnation == peer.incarnation:
-                _settle(granted, refused)
-                return
-            _check_same_tp(prefill, self._topology_of(pull))
-        except Exception as exc:
-            granted.set_exception(exc)
-            return
-        logger.info(
-            "prefill %s:%d restarted (incarnation %s); claiming %s from the new one",
-            peer.host,
-            peer.port,
-            prefill.incarnation,
-            pull.transfer_id,
-        )
-        peer.transport_session = prefill.transport_session
-        peer.incarnation = prefill.incarnation
-        remote_tables[peer.rank] = prefill.regions
-        self._claim(pull, peer).add_done_callback(lambda claim: _settle(granted, claim))
-
-    def _claim(self, pull: PullOrder, peer: _Peer) -> Future[ClaimReply]:
-        """Obtain (or renew) the peer's read lease: the future fails if the peer refuses, stays
-        silent, or never registers the request within the claim's wait."""
-        options = self._options
-        wait_s = options.prefill_wait_s if pull.early else options.claim_wait_s
-        message = ClaimRead(
-            pull.transfer_id,
-            self._rank,
-            peer.incarnation,
-            pull.num_prompt_tokens,
-            wait_s=options.claim_park_s,
-            decode_tp=self._topology.decode_tp,
-            reader=self._peers.local.incarnation,
-        )
-        granted: Future[ClaimReply] = Future()
-
-        def answered(claim: Future[ClaimAnswer]) -> None:
-            try:
-                answer = claim.result()
-            except SideChannelError as exc:  # refused the message, or silent every attempt
-                self._peers.invalidate(peer.host, peer.port)
-                granted.set_exception(exc)
-                return
-            except Exception as exc:  # cancelled
-                granted.set_exception(exc)
-                return
-            reply = answer.reply
-            if not isinstance(reply, ClaimReply):
-                granted.set_exception(
-                    RuntimeError(f"{peer.host}:{peer.port} answered a claim with {reply!r}")
-                )
-            elif reply.status != "granted":
-                granted.set_exception(
-                    RuntimeError(
-                        f"prefill rank {peer.rank} refused the read of {pull.transfer_id}: "
-                        f"{reply.reason}"
-                    )
-                )
-            else:
-                peer.claimed_at, peer.lease_s = answer.sent_at, reply.lease_s
-                granted.set_result(reply)
-
-        self._claims.claim(
-            peer.host,
-            peer.port,
-            message,
-            time.monotonic() + wait_s,
-            lambda: self._check_cancelled(pull),
-        ).add_done_callback(answered)
-        return granted
-
     def _lane(self, session: str) -> FifoLane:
         with self._lock:
             lane = self._lanes.get(session)
@@ -691,25 +562,24 @@ class Receiver:
                 with self._lock:
                     self._open_circuits.pop(peer.transport_session, None)
             except Exception as exc:  # any failure: the request is failed, never half-used
-                failure = str(exc)
-                if isinstance(exc, UnsettledTransfer):  # frozen: others would hang as long
+                failure = as_pull_error(exc)
+                if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
                     with self._lock:
                         self._open_circuits[peer.transport_session] = (
                             time.monotonic() + self._options.peer_cooldown_s
                         )
-                if isinstance(exc, UnsettledTransfer):
                     state.quarantined = True
-                if isinstance(exc, PullCancelled):  # renewing a lease that waited in the queue
-                    state.cancelled = True
                 self._peers.invalidate(peer.host, peer.port)
                 logger.warning(
-                    "request %s: read from prefill rank %d (%s) failed: %s",
+                    "request %s: read from prefill rank %d (%s) failed (%s): %s",
                     state.pull.request_id,
                     peer.rank,
                     peer.transport_session,
+                    failure.kind.value,
                     exc,
                 )
-        self._notify(peer, state.pull.transfer_id, failure or state.failure)
+        reason = failure or state.failure
+        self._notify(peer, state.pull.transfer_id, None if reason is None else str(reason))
         with state.lock:
             if failure is not None and state.failure is None:
                 state.failure = failure
@@ -725,16 +595,17 @@ class Receiver:
             until = self._open_circuits.get(session)
         left = until - time.monotonic() if until is not None else 0.0
         if left > 0:
-            raise RuntimeError(
+            raise PullError(
+                FailureKind.PEER_UNAVAILABLE,
                 f"a read from prefill transport {session} never settled lately (a frozen peer?); "
-                f"it is not read again for {left:.1f} s (its circuit is open)"
+                f"it is not read again for {left:.1f} s (its circuit is open)",
             )
 
-    def _read_leased(self, pull: PullOrder, peer: _Peer, peer_plan: PeerPlan) -> None:
+    def _read_leased(self, pull: PullOrder, peer: LeasedPeer, peer_plan: PeerPlan) -> None:
         """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
         self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
-            self._claim(pull, peer).result()  # waited long in the queue: renew before reading
+            self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
         for batch in peer_plan.batches:
             self._read_batch(peer.transport_session, batch)
             if self._options.verify_reads:
@@ -745,12 +616,13 @@ class Receiver:
                 self._memory.fence()
         lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
         if time.monotonic() > lease_end:
-            raise RuntimeError(
+            raise PullError(
+                FailureKind.LEASE_OUTLASTED,
                 f"the read outlasted its {peer.lease_s:.0f} s lease: prefill may already have "
-                f"reused the blocks"
+                f"reused the blocks",
             )
 
-    def _verify_batch(self, pull: PullOrder, peer: _Peer, batch: TransferBatch) -> None:
+    def _verify_batch(self, pull: PullOrder, peer: LeasedPeer, batch: TransferBatch) -> None:
         """Fail the pull unless the landed bytes are prefill's (before anything moves them)."""
         self._memory.fence()
         local = landed_checksum(self._memory, batch.local_addrs, batch.lengths)
@@ -807,7 +679,7 @@ class Receiver:
             # area goes to another request (relayout's ordering contract).
             self._memory.fence()
         except Exception as exc:
-            state.failure = f"fix-up failed: {exc}"
+            state.failure = PullError(FailureKind.FIXUP, f"fix-up failed: {exc}")
             logger.exception("request %s: KV fix-up failed", state.pull.request_id)
         finally:
             if state.staging is not None and self._staging is not None:
@@ -826,9 +698,9 @@ class Receiver:
                         state.pull.transfer_id,
                     )
                 )
-        self._finish(state.pull, state.failure, cancelled=state.cancelled)
+        self._finish(state.pull, state.failure)
 
-    def _finish(self, pull: PullOrder, failure: str | None, cancelled: bool = False) -> None:
+    def _finish(self, pull: PullOrder, failure: PullError | None) -> None:
         if pull.release_only:
             if failure is not None:
                 logger.info(
@@ -840,14 +712,14 @@ class Receiver:
                 self._done.add(pull.request_id)
             else:
                 self._failed[pull.request_id] = PullFailure(
-                    tuple(pull.local_block_ids), failure, cancelled
+                    tuple(pull.local_block_ids), str(failure), failure.kind
                 )
             self._in_flight.discard(pull.request_id)
             self._cancelled.discard(pull.request_id)
             self._waited_for -= 1
             self._news.notify_all()
 
-    def _notify(self, peer: _Peer, transfer_id: str, failure: str | None) -> None:
+    def _notify(self, peer: LeasedPeer, transfer_id: str, failure: str | None) -> None:
         key = (transfer_id, peer.host, peer.port)
         with self._lock:
             left = self._readers.pop(key, 1) - 1

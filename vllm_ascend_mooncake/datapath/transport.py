@@ -96,21 +96,3 @@ class Transport(Protocol):
     def close(self) -> None:
         """Unregister memory and stop; peers' reads of this process fail afterwards."""
         ...
-
-
-def create_transport(
-    kind: str,
-    hostname: str,
-    protocol: str,
-    device_name: str = "",
-    device_type: str = "cpu",
-    read_wait: str | None = None,
-) -> Transport:
-    """The transport the configuration names (``transport`` key), started on ``hostname``."""
-    if kind == "mooncake":
-        from .mooncake import MooncakeTransport
-
-        return MooncakeTransport(
-            hostname, protocol, device_name, device_type=device_type, read_wait=read_wait
-        )
-    raise TransportSetupError(f"transport must be one of {TRANSPORTS}, not {kind!r}")

@@ -20,11 +20,15 @@ import numpy as np
 from ..core.digest import checksum_ranges
 from ..core.layout import Region
 from ..core.relayout import LocalMemory
+from .failures import FailureKind, PullError
 from .wire import ReadDigest, VerifyRead
 
 
-class IntegrityError(RuntimeError):
+class IntegrityError(PullError):
     """Bytes that landed on decode differ from what prefill holds."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(FailureKind.INTEGRITY, message)
 
 
 def verify_request(

@@ -331,6 +331,21 @@ class LocalDeployment:
             totals["expired"] = _metric_sum(text, "vllm:mooncake_hetero_expired_releases_total")
         return totals
 
+    def failed_pulls_by_kind(self) -> dict[str, int]:
+        """Decode's failed pulls by kind (:class:`~..datapath.failures.FailureKind`), the kinds
+        that occurred only; empty when decode is not running."""
+        if not self.decode.is_running():
+            return {}
+        sample = re.compile(
+            r'^vllm:mooncake_hetero_failed_pulls_total\{[^}]*kind="([^"]+)"[^}]*\} (\S+)$', re.M
+        )
+        counts: dict[str, int] = {}
+        for match in sample.finditer(_metrics_text(self.decode.base_url)):
+            kind, count = match.group(1), round(float(match.group(2)))
+            if count:
+                counts[kind] = counts.get(kind, 0) + count
+        return counts
+
     def __enter__(self) -> LocalDeployment:
         try:
             self.start()

@@ -238,6 +238,7 @@ class RequestSpec:
 class PullOutcome:
     done: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    failure_kinds: dict[str, str] = field(default_factory=dict)  # of the failed: FailureKind
     cancelled: list[str] = field(default_factory=list)  # of the failed: gave up, read nothing
     wrong_requests: dict[str, str] = field(default_factory=dict)
     stray_bytes: int = 0
@@ -535,6 +536,7 @@ class _WorkerState:
             done, failed = self.receiver.take_finished()
             outcome.done.extend(done)
             outcome.failed.update({r: f.reason for r, f in failed.items()})
+            outcome.failure_kinds.update({r: f.kind.value for r, f in failed.items()})
             outcome.cancelled.extend(r for r, f in failed.items() if f.cancelled)
             pending -= done | set(failed)
             time.sleep(0.002)
