@@ -1,18 +1,25 @@
-"""End-to-end P/D latency on CPU: colocated vs MooncakeHeteroConnector vs vLLM's MooncakeConnector.
+"""End-to-end P/D latency on CPU: colocated vs MooncakeHeteroConnector vs the peers users pick.
 
 Starts, one system after another in this one run, real ``vllm serve`` instances of the tiny model
 (float32 by default, so greedy outputs of every TP layout agree): a colocated instance, our P/D
-deployment and a P/D deployment with vLLM's in-tree connector, on the same prefill/decode TP pair.
-Against each it runs a closed-loop streamed load for every (prompt length, concurrency) cell and
-reports TTFT and inter-token latency p50/p99, with ratios between the systems. It also checks,
-per system, that a greedy probe prompt gives the same tokens everywhere and that the connector
-logs show successful KV transfers; a failed check marks the run invalid (exit code 1).
+deployment behind ``vam-proxy``, vLLM's MooncakeConnector behind vLLM's example proxy protocol
+(``benchmarks/e2e/mooncake_proxy.py``) and vLLM's NixlConnector on CPU behind ``vllm-router``, on
+the same prefill/decode TP pair (``--systems`` also offers ``ours_decode_first``, our deployment
+with ``--first-token decode``, and ``ours_serial``). Each (prompt length, concurrency) cell is
+measured with vLLM's own client, ``vllm bench serve`` (``benchmarks/e2e/bench_serve.py``;
+``--client builtin`` for the home-made streamed load generator), and the report gives TTFT,
+inter-token latency and TPOT with their spread, ratios between the systems and the targets of
+issue #28. It also checks, per system, that a greedy probe prompt gives the same tokens everywhere
+and that the connector logs show successful KV transfers; a failed check marks the run invalid
+(exit code 1).
 
-    python -m benchmarks.e2e.bench_e2e --prompt-lens 64,256 --concurrencies 1,2 \\
-        --requests-per-cell 4 --json /tmp/bench_e2e.json
+    python -m benchmarks.e2e.bench_e2e --prompt-lens 256,1024,3000 --concurrencies 1,2,4 \\
+        --requests-per-cell 16 --json /tmp/bench_e2e.json
 
-Run from the repository root. The three systems never run at the same time (at most two vLLM
-instances are alive), and every server is stopped, by process group, even on error or SIGTERM.
+Run from the repository root; vLLM's NixlConnector needs ``pip install nixl`` and the router
+``pip install vllm-router`` (``pip install -e '.[bench]'``). The systems never run at the same time
+(at most two vLLM instances are alive), and every server is stopped, by process group, even on
+error or SIGTERM.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from benchmarks.common import add_json_arg, environment, make_parser, write_json
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.timeline import TIMELINE_LOG_ENV
 
-from . import request_timeline, timeline
+from . import bench_serve, request_timeline, timeline
 from .cpu_usage import cpu_seconds_between, group_cpu_seconds, idle_cores
 from .load_generator import CellResult, probe_token_ids, run_cell
 from .prompts import make_prompt, regular_token_ids
@@ -46,13 +53,15 @@ from .report import (
     ratio_rows,
     ratio_table,
     summarize_cell,
-    ttft_target,
+    targets,
+    targets_table,
 )
 from .systems import (
     STATS_INTERVAL_S,
     BenchSystem,
     ColocatedSystem,
     EngineSettings,
+    NixlSystem,
     OursSystem,
     VllmMooncakeSystem,
 )
@@ -134,14 +143,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=_system_list,
         default=list(DEFAULT_SYSTEMS),
         help=f"comma-separated, run in this order; subset of {','.join(SYSTEM_ORDER)} "
-        f"(default {','.join(DEFAULT_SYSTEMS)}; ours_serial is our proxy with --serial-legs)",
+        f"(default {','.join(DEFAULT_SYSTEMS)}; ours_decode_first is our proxy with "
+        "--first-token decode, ours_serial that with --serial-legs too)",
     )
-    parser.add_argument("--prompt-lens", type=_int_list, default=[64, 256], help="tokens")
+    parser.add_argument("--prompt-lens", type=_int_list, default=[256, 1024, 3000], help="tokens")
     parser.add_argument(
-        "--concurrencies", type=_int_list, default=[1, 4], help="clients sending back to back"
+        "--concurrencies", type=_int_list, default=[1, 2, 4], help="clients sending back to back"
     )
     parser.add_argument(
-        "--requests-per-cell", type=int, default=8, help="measured requests per cell"
+        "--requests-per-cell", type=int, default=16, help="measured requests per cell"
+    )
+    parser.add_argument(
+        "--client",
+        choices=("bench-serve", "builtin"),
+        default="bench-serve",
+        help="what measures the cells: vLLM's `vllm bench serve` (random prompts of the cell's "
+        "length) or the home-made streamed load generator (token-id prompts)",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="generated per request")
     parser.add_argument("--prefill-tp", type=int, default=1, help="P/D systems' prefill TP")
@@ -154,7 +171,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="float32 keeps greedy outputs identical across TP layouts",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=512, help="context length of every instance"
+        "--max-model-len", type=int, default=3200, help="context length of every instance"
     )
     parser.add_argument(
         "--model", default=None, help="model directory; the tiny test model when not given"
@@ -199,23 +216,48 @@ def _factories(
     args: argparse.Namespace, settings: EngineSettings, log_dir: Path
 ) -> dict[str, Callable[[], BenchSystem]]:
     """Systems are built right before they start, so their free ports are picked late."""
+    tps = (args.prefill_tp, args.decode_tp)
+
+    def ours(name: str, *proxy_args: str) -> OursSystem:
+        return OursSystem(settings, *tps, log_dir, args.kv_hold_timeout_s, name, proxy_args)
+
     return {
         "colocated": lambda: ColocatedSystem(settings, args.colocated_tp, log_dir),
-        "ours": lambda: OursSystem(
-            settings, args.prefill_tp, args.decode_tp, log_dir, args.kv_hold_timeout_s
-        ),
-        "ours_serial": lambda: OursSystem(
-            settings,
-            args.prefill_tp,
-            args.decode_tp,
-            log_dir,
-            args.kv_hold_timeout_s,
-            serial_legs=True,
-        ),
+        "ours": lambda: ours("ours"),
+        "ours_decode_first": lambda: ours("ours_decode_first", "--first-token", "decode"),
+        "ours_serial": lambda: ours("ours_serial", "--first-token", "decode", "--serial-legs"),
         "vllm_mooncake": lambda: VllmMooncakeSystem(
-            settings, args.prefill_tp, args.decode_tp, log_dir, args.kv_hold_timeout_s
+            settings, *tps, log_dir, args.kv_hold_timeout_s
         ),
+        "nixl": lambda: NixlSystem(settings, *tps, log_dir),
     }
+
+
+def _measure_cell(
+    system: BenchSystem,
+    model: str,
+    prompts: list[list[int]],
+    prompt_len: int,
+    concurrency: int,
+    args: Any,
+    log_dir: Path,
+) -> CellResult:
+    """One measured cell, with the client ``--client`` names. ``vllm bench serve`` draws its
+    own prompts, the same for every system: a seed per cell, so no cell's prompts repeat
+    another's (which the prefix cache would serve)."""
+    if args.client == "builtin":
+        return _run_cell(system, model, prompts, concurrency, args)
+    return bench_serve.run_cell(
+        system.url,
+        model,
+        prompt_len=prompt_len,
+        max_tokens=args.max_tokens,
+        concurrency=concurrency,
+        num_prompts=args.requests_per_cell,
+        seed=args.seed * 1_000_003 + prompt_len * 101 + concurrency,
+        result_path=log_dir / "bench_serve" / f"{system.name}-{prompt_len}-{concurrency}.json",
+        timeout_s=args.cell_timeout_s + args.request_timeout_s,
+    )
 
 
 def _run_cell(
@@ -235,7 +277,12 @@ def _run_cell(
 
 
 def benchmark_system(
-    system: BenchSystem, report: SystemReport, model: str, vocabulary: list[int], args: Any
+    system: BenchSystem,
+    report: SystemReport,
+    model: str,
+    vocabulary: list[int],
+    args: Any,
+    log_dir: Path,
 ) -> None:
     """Start, warm up, probe, load and check one system, filling ``report`` as it goes."""
     report.load_average["before"] = list(os.getloadavg())
@@ -279,7 +326,7 @@ def benchmark_system(
             ]
             before = timeline.snapshot(system.instances())
             window_start = time.time()
-            result = _run_cell(system, model, prompts, concurrency, args)
+            result = _measure_cell(system, model, prompts, prompt_len, concurrency, args, log_dir)
             window = (window_start, time.time())
             summary = summarize_cell(system.name, prompt_len, concurrency, result, args.max_tokens)
             summary = replace(summary, window=window)
@@ -406,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[TIMELINE_LOG_ENV] = "1"
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vam-bench-e2e-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    model = args.model or str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype=args.dtype)))
+    spec = TinyModelSpec(
+        num_kv_heads=2, dtype=args.dtype, max_position_embeddings=max(1024, args.max_model_len)
+    )
+    model = args.model or str(build_tiny_model(spec))
     vocabulary = regular_token_ids(model)
     settings = EngineSettings(model=model, dtype=args.dtype, max_model_len=args.max_model_len)
     factories = _factories(args, settings, log_dir)
@@ -422,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             system = factories[name]()
             report.description = system.description
             report.logs = [str(path) for path in system.log_paths()]
-            benchmark_system(system, report, model, vocabulary, args)
+            benchmark_system(system, report, model, vocabulary, args, log_dir)
             report.status = "ok"
         except Exception as error:
             report.status = "failed"
@@ -437,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _attach_request_timelines(reports)
     summaries = [cell for report in reports for cell in report.cells]
     ratios = ratio_rows(summaries)
-    target = ttft_target(summaries)
+    verdicts = targets(summaries)
     warnings = _validate(reports)
     print()
     print(
@@ -448,11 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ratios and any(len(row) > 2 for row in ratios):
         print("\nRatios (lower is better for the numerator):")
         print(ratio_table(ratios))
-    if target["cells"]:
-        print(
-            "\nTarget 'our TTFT p50 <= vLLM MooncakeConnector TTFT p50': "
-            + ("met in every cell" if target["met_in_all_cells"] else "NOT met in every cell")
-        )
+    if any(verdict["cells"] for verdict in verdicts):
+        print("\nTargets (issue #28), ratios per cell:")
+        print(targets_table(verdicts))
     timelines = [(s.system, s.prompt_len, s.concurrency, s.timeline_ms) for s in summaries]
     if any(means for *_, means in timelines):
         print("\nTimeline: mean ms per request and phase (phases overlap; see timeline.py):")
@@ -465,6 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if breakdowns:
         print("\nCritical path per request, proxy side (request_timeline.py; segments add up):")
         print(request_timeline.breakdown_table(breakdowns))
+        handoffs = request_timeline.handoff_table(breakdowns)
+        if handoffs:
+            print("\nContinued requests, from the client's first token to its second:")
+            print(handoffs)
         png = args.json.with_suffix(".png") if args.json else log_dir / "timeline.png"
         try:
             print(f"stacked breakdown written to {request_timeline.write_png(breakdowns, png)}")
@@ -495,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "systems": [report.to_dict() for report in reports],
             "cells": [summary.to_dict() for summary in summaries],
             "ratios": ratios,
-            "ttft_target": target,
+            "targets": verdicts,
             "warnings": warnings,
             "valid": valid,
         }

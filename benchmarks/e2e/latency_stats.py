@@ -29,12 +29,16 @@ def percentile(samples: Sequence[float], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class LatencySummary:
-    """p50/p99/mean of one latency metric, in milliseconds, and the sample count behind them."""
+    """p50/p99/mean of one latency metric, in milliseconds, the sample count behind them and
+    the spread (interquartile range: p25 to p75), which says whether two systems' p50 differ
+    by more than the noise of either."""
 
     count: int
     p50_ms: float | None
     p99_ms: float | None
     mean_ms: float | None
+    p25_ms: float | None = None
+    p75_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,6 +54,8 @@ def summarize_seconds(samples_s: Sequence[float]) -> LatencySummary:
         p50_ms=percentile(samples_ms, 50.0),
         p99_ms=percentile(samples_ms, 99.0),
         mean_ms=sum(samples_ms) / len(samples_ms),
+        p25_ms=percentile(samples_ms, 25.0),
+        p75_ms=percentile(samples_ms, 75.0),
     )
 
 

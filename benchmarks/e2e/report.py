@@ -16,10 +16,15 @@ from .latency_stats import LatencySummary, ratio, summarize_seconds
 from .load_generator import CellResult
 from .sse_timing import StreamTiming
 
-#: Systems in report order; ratios are "ours vs vllm_mooncake" and "x vs colocated".
-#: ``ours_serial`` (our proxy with ``--serial-legs``) runs only when asked for.
-SYSTEM_ORDER = ("colocated", "ours", "ours_serial", "vllm_mooncake")
-DEFAULT_SYSTEMS = ("colocated", "ours", "vllm_mooncake")
+#: Systems in report order. ``ours`` is our proxy's default (the first token from prefill,
+#: decode continuing from it); ``ours_decode_first`` the same deployment with
+#: ``--first-token decode`` (decode samples the first token, legs overlapped once prefill is
+#: known); ``ours_serial`` that with ``--serial-legs`` too; ``vllm_mooncake`` vLLM's
+#: MooncakeConnector behind its example proxy; ``nixl`` vLLM's NixlConnector behind vllm-router.
+SYSTEM_ORDER = ("colocated", "ours", "ours_decode_first", "ours_serial", "vllm_mooncake", "nixl")
+DEFAULT_SYSTEMS = ("colocated", "ours", "vllm_mooncake", "nixl")
+#: The peers a user could pick instead of ours.
+PEERS = ("vllm_mooncake", "nixl")
 RATIO_METRICS = (
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -32,11 +37,27 @@ RATIO_METRICS = (
 #: (inter-chunk gaps of ~0 ms are chunks that arrived in one read); such ratios are omitted.
 MIN_RATIO_DENOMINATOR_MS = 1.0
 RATIO_PAIRS = (
-    ("ours", "vllm_mooncake"),
-    ("ours", "ours_serial"),
-    ("ours_serial", "vllm_mooncake"),
     ("ours", "colocated"),
+    ("ours", "vllm_mooncake"),
+    ("ours", "nixl"),
+    ("ours", "ours_decode_first"),
+    ("ours_decode_first", "ours_serial"),
     ("vllm_mooncake", "colocated"),
+    ("nixl", "colocated"),
+)
+#: The targets the benchmark judges (issue #28), each a bound on one ratio in the cells it
+#: applies to: (name, numerator, denominators, metric, bound, concurrencies or None for all).
+TARGETS = (
+    (
+        "TTFT p50 ours/colocated <= 1.3 at concurrency 1 and 2",
+        "ours",
+        ("colocated",),
+        "ttft_p50_ms",
+        1.3,
+        (1, 2),
+    ),
+    ("TTFT p50 ours/each peer <= 0.5", "ours", PEERS, "ttft_p50_ms", 0.5, None),
+    ("ITL p99 ours/colocated <= 1.5", "ours", ("colocated",), "itl_p99_ms", 1.5, None),
 )
 
 
@@ -162,29 +183,47 @@ def ratio_rows(summaries: Sequence[CellSummary]) -> list[dict[str, Any]]:
     return rows
 
 
-def ttft_target(summaries: Sequence[CellSummary]) -> dict[str, Any]:
-    """The issue's target, "our TTFT no worse than vLLM's connector", judged on p50 per cell."""
+def targets(summaries: Sequence[CellSummary]) -> list[dict[str, Any]]:
+    """Each of :data:`TARGETS` judged in every cell where both systems ran: the ratio per cell
+    and whether the bound holds in all of them (False when no cell could be judged)."""
     by_key = {(s.system, s.prompt_len, s.concurrency): s for s in summaries}
     verdicts = []
-    for (system, prompt_len, concurrency), ours in sorted(by_key.items()):
-        if system != "ours":
-            continue
-        theirs = by_key.get(("vllm_mooncake", prompt_len, concurrency))
-        if theirs is None:
-            continue
-        value = ratio(ours.ttft.p50_ms, theirs.ttft.p50_ms)
+    for name, numerator, denominators, metric, bound, concurrencies in TARGETS:
+        cells = []
+        for (system, prompt_len, concurrency), top in sorted(by_key.items()):
+            if system != numerator or (concurrencies and concurrency not in concurrencies):
+                continue
+            for denominator in denominators:
+                bottom = by_key.get((denominator, prompt_len, concurrency))
+                if bottom is None:
+                    continue
+                value = ratio(top.metric(metric), bottom.metric(metric))
+                cells.append(
+                    {
+                        "prompt_len": prompt_len,
+                        "concurrency": concurrency,
+                        "versus": denominator,
+                        "ratio": value,
+                        "met": value is not None and value <= bound,
+                    }
+                )
         verdicts.append(
-            {
-                "prompt_len": prompt_len,
-                "concurrency": concurrency,
-                "ours_over_vllm_ttft_p50": value,
-                "met": value is not None and value <= 1.0,
-            }
+            {"target": name, "cells": cells, "met": bool(cells) and all(c["met"] for c in cells)}
         )
-    return {
-        "cells": verdicts,
-        "met_in_all_cells": bool(verdicts) and all(v["met"] for v in verdicts),
-    }
+    return verdicts
+
+
+def targets_table(verdicts: Sequence[dict[str, Any]]) -> str:
+    """One line per target and cell: the ratio and whether it meets the bound."""
+    lines = []
+    for verdict in verdicts:
+        lines.append(f"{verdict['target']}: {'met' if verdict['met'] else 'NOT met'}")
+        for cell in verdict["cells"]:
+            lines.append(
+                f"  prompt {cell['prompt_len']:>5} conc {cell['concurrency']:>2} vs "
+                f"{cell['versus']:<14} {_ratio(cell['ratio']):>6} {'ok' if cell['met'] else 'MISS'}"
+            )
+    return "\n".join(lines)
 
 
 def _ms(value: float | None) -> str:
@@ -221,6 +260,7 @@ def latency_table(summaries: Sequence[CellSummary]) -> str:
         "system",
         "ok/n",
         "TTFT p50",
+        "TTFT p25-p75",
         "TTFT p99",
         "ITL p50",
         "ITL p99",
@@ -236,6 +276,7 @@ def latency_table(summaries: Sequence[CellSummary]) -> str:
             s.system,
             f"{s.succeeded}/{s.requests}",
             _ms(s.ttft.p50_ms),
+            f"{_ms(s.ttft.p25_ms)}-{_ms(s.ttft.p75_ms)}",
             _ms(s.ttft.p99_ms),
             _ms(s.itl.p50_ms),
             _ms(s.itl.p99_ms),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,26 @@ CRITICAL_PATHS: dict[str, tuple[Stamp, ...]] = {
     ),
 }
 CRITICAL_PATHS["resent"] = CRITICAL_PATHS["serial"]
+#: The first token from prefill: decode is off the path to it.
+CRITICAL_PATHS["continued"] = (
+    *_PREFILL[:2],
+    Stamp("prefill answer to proxy", "proxy", "prefill_answered"),
+    Stamp("prefill's token to client", "proxy", "first_chunk"),
+)
+#: A continued request's hand-off, from the client's first token (prefill's) to its second
+#: (decode's first): the gap the inter-token latency sees once per request.
+HANDOFF_PATH: tuple[Stamp, ...] = (
+    Stamp("decode admits", "decode_scheduler", "admitted"),
+    Stamp("decode worker gets pull", "decode", "submitted"),
+    Stamp("lease granted to decode", "decode", "granted"),
+    *_PULL[:-1],
+    Stamp("decode's token to client", "proxy", "decode_first_chunk"),
+)
 #: Every segment label, in the order a stacked chart shows them.
 SEGMENTS: tuple[str, ...] = tuple(
     dict.fromkeys(stamp.label for path in CRITICAL_PATHS.values() for stamp in path)
 )
+HANDOFF_SEGMENTS: tuple[str, ...] = tuple(stamp.label for stamp in HANDOFF_PATH)
 
 
 def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -99,13 +115,19 @@ def join(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return joined
 
 
-def segments(entry: dict[str, Any]) -> dict[str, float] | None:
-    """Seconds per critical-path segment of one joined request; None unless the proxy logged it
-    with a first token and every stamp on its path is present."""
+def segments(
+    entry: dict[str, Any],
+    path: Sequence[Stamp] | None = None,
+    start_stamp: tuple[str, str] = ("proxy", "received"),
+) -> dict[str, float] | None:
+    """Seconds per segment of ``path`` (by default the critical path to the first token of the
+    request's mode) from ``start_stamp`` on, for one joined request; None unless every stamp
+    on the path is present."""
     stamps = entry["stamps"]
-    path = CRITICAL_PATHS.get(entry.get("mode") or "")
-    start = stamps.get(("proxy", "received"))
-    if path is None or start is None or ("proxy", "first_chunk") not in stamps:
+    if path is None:
+        path = CRITICAL_PATHS.get(entry.get("mode") or "")
+    start = stamps.get(start_stamp)
+    if path is None or start is None:
         return None
     if any((stamp.source, stamp.name) not in stamps for stamp in path):
         return None
@@ -126,6 +148,9 @@ class CellTimeline:
     unjoined: int  # received by the proxy in the window, some stamp missing
     mean_ms: dict[str, float]
     ttft_p50_ms: float | None  # proxy-side, the sum of a request's segments
+    #: continued requests: mean ms per segment from the client's first token to its second
+    handoff_ms: dict[str, float] = field(default_factory=dict)
+    handoffs: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,7 +161,7 @@ def cell_timeline(
 ) -> CellTimeline | None:
     """The breakdown of the requests the proxy received between ``started`` and ``ended``
     (wall clock); None when it received none there (no timeline lines: another system)."""
-    per_request = []
+    per_request, handoffs = [], []
     unjoined = 0
     for entry in joined.values():
         received = entry["stamps"].get(("proxy", "received"))
@@ -147,17 +172,30 @@ def cell_timeline(
             unjoined += 1
         else:
             per_request.append(split)
+        if entry.get("mode") == "continued":
+            handoff = segments(entry, HANDOFF_PATH, ("proxy", "first_chunk"))
+            if handoff is not None:
+                handoffs.append(handoff)
     if not per_request and not unjoined:
         return None
-    means = {
-        label: 1e3 * statistics.fmean(split.get(label, 0.0) for split in per_request)
-        for label in SEGMENTS
-        if per_request and any(label in split for split in per_request)
-    }
     totals = [1e3 * sum(split.values()) for split in per_request]
     return CellTimeline(
-        len(per_request), unjoined, means, statistics.median(totals) if totals else None
+        len(per_request),
+        unjoined,
+        _means(per_request, SEGMENTS),
+        statistics.median(totals) if totals else None,
+        _means(handoffs, HANDOFF_SEGMENTS),
+        len(handoffs),
     )
+
+
+def _means(splits: list[dict[str, float]], labels: Sequence[str]) -> dict[str, float]:
+    """Mean ms per label over the splits that have it (0 where a split lacks it)."""
+    return {
+        label: 1e3 * statistics.fmean(split.get(label, 0.0) for split in splits)
+        for label in labels
+        if splits and any(label in split for split in splits)
+    }
 
 
 def breakdown_table(cells: Sequence[tuple[str, int, int, CellTimeline]]) -> str:
@@ -171,6 +209,30 @@ def breakdown_table(cells: Sequence[tuple[str, int, int, CellTimeline]]) -> str:
     rows.append(
         ["requests joined"] + [f"{c.requests}/{c.requests + c.unjoined}" for *_, c in cells]
     )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    )
+
+
+def handoff_table(cells: Sequence[tuple[str, int, int, CellTimeline]]) -> str:
+    """Like :func:`breakdown_table`, for the hand-off of continued requests (first token to
+    second)."""
+    cells = [cell for cell in cells if cell[3].handoffs]
+    if not cells:
+        return ""
+    header = ["segment (mean ms)"] + [f"{s} {p}/{c}" for s, p, c, _ in cells]
+    rows = [header]
+    for label in HANDOFF_SEGMENTS:
+        rows.append([label] + [_ms(c.handoff_ms.get(label)) for *_, c in cells])
+    rows.append(
+        ["sum = first-to-second token gap"] + [_ms(sum(c.handoff_ms.values())) for *_, c in cells]
+    )
+    rows.append(["requests"] + [str(c.handoffs) for *_, c in cells])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(

@@ -2,8 +2,10 @@
 
 * ``colocated``: one ``vllm serve`` instance, no connector (the reference);
 * ``ours``: prefill + decode with ``MooncakeHeteroConnector`` and ``vllm_ascend_mooncake.proxy``,
-  through :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment`; ``ours_serial`` is
-  the same with the proxy's ``--serial-legs`` (decode is sent only after prefill answered);
+  through :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment` (the client's first
+  token from prefill); ``ours_decode_first`` the proxy with ``--first-token decode`` (decode
+  samples the first token again, legs overlapped), ``ours_serial`` that with ``--serial-legs``;
+* ``nixl``: prefill + decode with vLLM's ``NixlConnector`` on CPU (UCX) behind ``vllm-router``;
 * ``vllm_mooncake``: prefill + decode with vLLM's in-tree ``MooncakeConnector`` (TCP) and
   :mod:`benchmarks.e2e.mooncake_proxy`, with the CPU workaround of :mod:`cpu_accelerator_shim`.
 
@@ -211,8 +213,6 @@ class ColocatedSystem(BenchSystem):
 
 
 class OursSystem(BenchSystem):
-    name = "ours"
-
     def __init__(
         self,
         settings: EngineSettings,
@@ -220,12 +220,13 @@ class OursSystem(BenchSystem):
         decode_tp: int,
         log_dir: Path,
         kv_hold_timeout_s: int,
-        serial_legs: bool = False,
+        name: str = "ours",
+        proxy_args: tuple[str, ...] = (),
     ) -> None:
-        self.name = "ours_serial" if serial_legs else "ours"
+        self.name = name
         self.description = (
             f"MooncakeHeteroConnector P/D, prefill TP {prefill_tp} -> decode TP {decode_tp}, "
-            f"vllm_ascend_mooncake.proxy{' --serial-legs' if serial_legs else ''}"
+            f"vam-proxy {' '.join(proxy_args)}".rstrip()
         )
         self.deployment = LocalDeployment(
             DeploymentSpec(
@@ -239,7 +240,7 @@ class OursSystem(BenchSystem):
                 release_timeout_s=float(kv_hold_timeout_s),
                 log_dir=str(log_dir / self.name),
                 extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
-                proxy_args=("--serial-legs",) if serial_legs else (),
+                proxy_args=proxy_args,
             )
         )
         self.url = self.deployment.proxy_url
@@ -408,6 +409,110 @@ class VllmMooncakeSystem(BenchSystem):
     def process_groups(self) -> list[int]:
         groups = [self.prefill.pid, self.decode.pid]
         return groups + ([self._proxy.pid] if self._proxy is not None else [])
+
+    def instances(self) -> dict[str, str]:
+        return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
+
+
+def nixl_config() -> dict[str, Any]:
+    """``--kv-transfer-config`` for vLLM's NixlConnector on CPU: KV read from host memory
+    (``kv_buffer_device: cpu``) with NIXL's UCX backend; both instances ``kv_both``, as vLLM's
+    NIXL examples and vllm-router's P/D mode run them."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        # A failed load must fail the request, not be recomputed silently (as with ours).
+        "kv_load_failure_policy": "fail",
+    }
+
+
+class NixlSystem(BenchSystem):
+    """vLLM's NixlConnector P/D on CPU behind ``vllm-router --vllm-pd-disaggregation
+    --kv-connector nixl`` (the router its documentation pairs it with)."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        prefill_tp: int,
+        decode_tp: int,
+        log_dir: Path,
+    ) -> None:
+        self.description = (
+            f"vLLM NixlConnector (UCX, kv_buffer_device cpu) P/D, prefill TP {prefill_tp} -> "
+            f"decode TP {decode_tp}, vllm-router --vllm-pd-disaggregation"
+        )
+        self.log_dir = log_dir / "nixl"
+        servers = []
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            env = {
+                "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S),
+                # each instance serves its handshake on a port of its own (one per DP rank)
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            }
+            servers.append(
+                settings.server(
+                    tp,
+                    self.log_dir / f"{role}.log",
+                    env,
+                    ["--kv-transfer-config", json.dumps(nixl_config())],
+                )
+            )
+        self.prefill, self.decode = servers
+        self.router_port = free_port()
+        self.url = f"http://127.0.0.1:{self.router_port}"
+        self.router_log = self.log_dir / "router.log"
+        self._router: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float) -> float:
+        started = time.monotonic()
+        start_servers((self.prefill, self.decode), timeout_s)
+        self._router = start_helper(
+            [
+                str(Path(sys.executable).parent / "vllm-router"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.router_port),
+                "--vllm-pd-disaggregation",
+                "--kv-connector",
+                "nixl",
+                "--prefill",
+                self.prefill.base_url,
+                "--decode",
+                self.decode.base_url,
+                "--prometheus-port",
+                str(free_port()),
+            ],
+            self.router_log,
+            f"{self.url}/health",
+            timeout_s=_PROXY_READY_TIMEOUT_S,
+            what="vllm-router",
+        )
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        router, self._router = self._router, None
+        stop_all((router,), (self.decode, self.prefill))
+
+    def transfer_check(self) -> TransferCheck:
+        # Decode reads (NIXL pull): successes and failures are logged on decode.
+        return _check_transfers(
+            "Num successful transfers",
+            ("Num failed transfers", "Num KV expired reqs", "Num notifs after expiry"),
+            {"prefill": self.prefill.log_path, "decode": self.decode.log_path},
+            mean_time_key="Avg xfer time (ms)",
+        )
+
+    def log_paths(self) -> list[Path]:
+        return [self.prefill.log_path, self.decode.log_path, self.router_log]
+
+    def process_groups(self) -> list[int]:
+        groups = [self.prefill.pid, self.decode.pid]
+        return groups + ([self._router.pid] if self._router is not None else [])
 
     def instances(self) -> dict[str, str]:
         return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -192,9 +193,13 @@ def test_ratios_target_and_tables() -> None:
     assert rows[1]["vllm_mooncake/colocated:ttft_p99_ms"] == pytest.approx(2.5)
     assert rows[0]["ours/vllm_mooncake:tpot_p50_ms"] == pytest.approx(2.0)
 
-    target = report.ttft_target(summaries)
-    assert [cell["met"] for cell in target["cells"]] == [True, False]
-    assert target["met_in_all_cells"] is False
+    ttft_colocated, ttft_peers, itl = report.targets(summaries)
+    assert [cell["ratio"] for cell in ttft_colocated["cells"]] == pytest.approx([3.0, 3.0])
+    assert ttft_colocated["met"] is False
+    assert [cell["ratio"] for cell in ttft_peers["cells"]] == pytest.approx([0.75, 1.2])
+    assert [cell["versus"] for cell in ttft_peers["cells"]] == ["vllm_mooncake"] * 2
+    assert [cell["met"] for cell in itl["cells"]] == [False, True]
+    assert "TTFT p50 ours/each peer <= 0.5: NOT met" in report.targets_table([ttft_peers])
 
     table = report.latency_table(summaries)
     assert table.splitlines()[2].split()[:3] == ["64", "1", "colocated"]
@@ -218,7 +223,7 @@ def test_ratios_to_sub_millisecond_latencies_are_omitted() -> None:
 def test_ratio_rows_skip_systems_that_did_not_run() -> None:
     summaries = [report.summarize_cell("ours", 64, 1, _cell([0.3], 0.02), 3)]
     assert report.ratio_rows(summaries) == [{"prompt_len": 64, "concurrency": 1}]
-    assert report.ttft_target(summaries) == {"cells": [], "met_in_all_cells": False}
+    assert all(not v["cells"] and not v["met"] for v in report.targets(summaries))
 
 
 # -- transfer metrics in logs ------------------------------------------------------------------
@@ -577,3 +582,51 @@ def test_timeline_means_are_per_cell_differences_of_the_instances_histograms() -
 
 def test_timeline_skips_an_instance_that_does_not_answer() -> None:
     assert timeline.snapshot({"decode": "http://127.0.0.1:9"}, timeout_s=2) == {}
+
+
+# -- vllm bench serve ----------------------------------------------------------------------------
+
+bench_serve = importlib.import_module("benchmarks.e2e.bench_serve")
+
+
+def test_bench_serve_records_become_stream_timings() -> None:
+    result = {
+        "ttfts": [0.05, 0.0, 0.07],
+        "itls": [[0.01, 0.02], [], [0.03, 0.01]],
+        "output_lens": [3, 0, 3],
+        "errors": ["", "HTTP 500: boom", ""],
+    }
+    first, failed, third = bench_serve.timings_from_result(result)
+    assert first.succeeded and first.ttft_s == pytest.approx(0.05)
+    assert first.inter_token_gaps_s == pytest.approx([0.01, 0.02])
+    assert first.e2e_s == pytest.approx(0.08) and len(first.token_ids) == 3
+    assert not failed.succeeded and failed.error == "HTTP 500: boom"
+    summary = report.summarize_cell(
+        "ours",
+        256,
+        2,
+        load_generator.CellResult([first, failed, third], not_started=0, wall_s=1.0),
+        max_tokens=3,
+    )
+    assert (summary.succeeded, summary.failed) == (2, 1)
+    assert summary.ttft.p50_ms == pytest.approx(60.0)
+    assert summary.ttft.p25_ms == pytest.approx(55.0) and summary.ttft.p75_ms == pytest.approx(65.0)
+
+
+def test_bench_serve_command_measures_one_cell_greedy_without_eos() -> None:
+    argv = bench_serve.command(
+        "http://127.0.0.1:1",
+        "/m",
+        prompt_len=1024,
+        max_tokens=32,
+        concurrency=4,
+        num_prompts=16,
+        seed=7,
+        result_path=Path("/tmp/x/r.json"),
+    )
+    options = dict(itertools.pairwise(argv))
+    assert argv[3:5] == ["bench", "serve"]
+    assert options["--random-input-len"] == "1024" and options["--random-output-len"] == "32"
+    assert options["--max-concurrency"] == "4" and options["--num-prompts"] == "16"
+    assert options["--temperature"] == "0" and "--ignore-eos" in argv and "--save-detailed" in argv
+    assert options["--result-dir"] == "/tmp/x" and options["--result-filename"] == "r.json"

@@ -193,3 +193,54 @@ def test_cells_take_the_requests_received_in_their_window(tmp_path: Path) -> Non
     assert "prefill computing" in table and "2/3" in table
     png = request_timeline.write_png([("ours", 256, 1, cell)], tmp_path / "out" / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_continued_request_splits_its_first_token_and_its_hand_off_to_decode(
+    tmp_path: Path,
+) -> None:
+    """The first token comes from prefill: its path ends at prefill's answer; the hand-off to
+    decode (the gap to the second token) is split on its own."""
+    t0 = 70.0
+    proxy_stamps = {
+        "received": t0,
+        "prefill_answered": t0 + 0.030,
+        "first_chunk": t0 + 0.031,
+        "decode_first_chunk": t0 + 0.061,
+    }
+    _write(
+        tmp_path / "all.log",
+        [
+            ("proxy", "t-c", proxy_stamps, {"mode": "continued"}),
+            ("prefill", "t-c", {"scheduled": t0 + 0.002, "finished": t0 + 0.025}, {"rank": 0}),
+            (
+                "decode_scheduler",
+                "t-c",
+                {"admitted": t0 + 0.035, "load_reported": t0 + 0.050, "first_step": t0 + 0.052},
+                {},
+            ),
+            (
+                "decode",
+                "t-c",
+                {
+                    "submitted": t0 + 0.037,
+                    "granted": t0 + 0.040,
+                    "landed": t0 + 0.044,
+                    "fixed_up": t0 + 0.044,
+                    "reported": t0 + 0.048,
+                },
+                {"rank": 0},
+            ),
+        ],
+    )
+    joined = request_timeline.join(request_timeline.read_records([tmp_path / "all.log"]))
+    split = request_timeline.segments(joined["t-c"])
+    assert split["prefill answer to proxy"] == pytest.approx(0.005)
+    assert split["prefill's token to client"] == pytest.approx(0.001)
+    assert sum(split.values()) == pytest.approx(0.031)
+    cell = request_timeline.cell_timeline(joined, t0 - 1, t0 + 1)
+    assert cell.handoffs == 1
+    assert cell.handoff_ms["decode admits"] == pytest.approx(4.0)
+    assert cell.handoff_ms["decode's token to client"] == pytest.approx(9.0)
+    assert sum(cell.handoff_ms.values()) == pytest.approx(30.0)
+    table = request_timeline.handoff_table([("ours", 256, 1, cell)])
+    assert "first-to-second token gap" in table and "30.0" in table

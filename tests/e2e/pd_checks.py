@@ -145,9 +145,6 @@ ID_MAX_TOKENS = 8
 #: |logprob - colocated| allowed in bfloat16; justified in test_mla.py's docstring (vLLM rounds
 #: logits to bfloat16, whose spacing is 0.125-0.25 at these models' logits of 16-64)
 BF16_LOGPROB_BOUND = 0.5
-#: the share of generated positions a bfloat16 run must compare token for token (not cut short
-#: by a near-tie that P/D resolved the other way)
-MIN_COMPARED_SHARE = 0.6
 
 
 def prompt_ids(url: str, name: str, text: str) -> list[int]:
@@ -256,3 +253,30 @@ def hand_off(prefill_url: str, name: str, prompt: str | list[int], **extra) -> d
     )
     assert response.status_code == 200, response.text
     return response.json()["kv_transfer_params"]
+
+
+def compare_every_position(
+    actual: dict,
+    prompt: list[int],
+    colocated,
+    what: str,
+    bound: float = BF16_LOGPROB_BOUND,
+) -> int:
+    """Check every position of ``actual`` (P/D's answer to ``prompt``, from :func:`complete_ids`)
+    against colocated's answer for the same context, within the bfloat16 ``bound``
+    (:func:`compared_positions`). Where P/D resolved a near-tie the other way, the answers'
+    contexts differ from there on: the comparison goes on against colocated's answer for the
+    prompt followed by P/D's tokens so far (``colocated(prompt, max_tokens)``, prefix-cached).
+    Returns how many near-ties P/D resolved the other way (each one checked to be a near-tie)."""
+    tokens = actual["tokens"]
+    start = divergences = 0
+    while True:
+        expected = colocated(prompt + tokens[:start], len(tokens) - start)
+        rest = {"tokens": tokens[start:], "top": actual["top"][start:]}
+        matched = compared_positions(rest, expected, f"{what}, from position {start}", bound)
+        if start + matched >= len(tokens):
+            return divergences
+        divergences += 1
+        start += matched + 1
+        if start >= len(tokens):
+            return divergences

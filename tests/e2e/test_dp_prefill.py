@@ -64,6 +64,8 @@ def test_a_dp2_prefill_serves_overlapped_legs_from_both_engines(tmp_path) -> Non
         log_dir=str(tmp_path),
         # A decode told the wrong engine would wait this long, then fail the pull (counted).
         extra_connector_config={"prefill_wait_s": 20.0},
+        # Overlapped legs are for requests whose first token decode samples.
+        proxy_args=("--first-token", "decode"),
     )
     with LocalDeployment(spec) as pd:
         name = httpx.get(f"{pd.prefill.base_url}/v1/models").json()["data"][0]["id"]

@@ -5,7 +5,9 @@ instance answers or are clean errors; no KV blocks leak on either side; the deco
 serving everyone else. One prefill (TP 1) and two decode instances share a deployment: one decode
 recomputes failed loads (``kv_load_failure_policy=recompute``), the other fails them. Their side
 channel is authenticated with a shared secret; every scenario through the proxy runs with
-overlapped and with serial legs.
+overlapped and with serial legs, decode sampling the first token (``--first-token decode``: the
+legs these faults strike; a request continued from prefill's token is one serial leg each, whose
+failures ``tests/proxy/test_continuation.py`` covers).
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def deployment(tmp_path_factory):
         decode_args=("--max-num-seqs", str(MAX_NUM_SEQS)),
         # Faults with an authenticated side channel (the other E2E tests run without one).
         extra_env={SECRET_ENV: "fault-suite-side-channel-secret"},
+        proxy_args=("--first-token", "decode"),
     )
     pd = LocalDeployment(spec)
     strict = pd.make_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
@@ -190,7 +193,7 @@ def deployment(tmp_path_factory):
 @pytest.fixture(scope="module")
 def serial_proxy_url(deployment) -> str:
     """A second proxy in front of the same instances that never overlaps the legs."""
-    return deployment[0].add_proxy("--serial-legs")
+    return deployment[0].add_proxy("--serial-legs", "--first-token", "decode")
 
 
 @pytest.fixture(params=["overlapped", "serial"])

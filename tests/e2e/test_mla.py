@@ -38,9 +38,13 @@ over 8 prompts x 12 tokens, the largest |logprob - colocated| of a token in both
 moved position 0's logprobs by 0.7-2.5, which fails it at the first position of every prompt. Where
 colocated's top two are within ``2 * BF16_LOGPROB_BOUND``, greedy may pick either (such near-ties
 went both ways, e.g. colocated 256 over 157 by 0.125 where float32 transformers has 157 ahead by
-0.21): the comparison then accepts the other near-tied token and stops there (the continuations
-differ from then on), and ``MIN_COMPARED_SHARE`` of all positions must have been compared token for
-token (77-88% were in those measurements).
+0.21): the comparison accepts the other near-tied token and goes on against colocated's answer
+for the prompt followed by P/D's tokens so far (``pd_checks.compare_every_position``), so every
+position is compared with colocated's answer for the same context. Whether a near-tie goes the
+other way moves with the path taken: the first token now comes from prefill (its prefill path) and
+decode computes only that token's latent, where it used to recompute the last prompt token with
+its decode kernel; on TP 2 -> 2 the 6-token prompt's position 2 then tied exactly (-0.997 for
+both tokens) where colocated had one ahead by one grid step (0.125).
 """
 
 from __future__ import annotations
@@ -48,9 +52,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from pd_checks import (
-    ID_MAX_TOKENS,
-    MIN_COMPARED_SHARE,
     assert_clean_transfers,
+    compare_every_position,
     compared_positions,
     hand_off,
     metric,
@@ -64,7 +67,6 @@ from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, build_tiny_
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
 
 DTYPE = "bfloat16"
-MAX_TOKENS = ID_MAX_TOKENS
 
 TEXT = " ".join(f"word{i} the quick brown fox" for i in range(20))
 #: prompt lengths in tokens: one block; the last token alone in a new block of 16 and of 32
@@ -90,6 +92,12 @@ def reference(model: str) -> dict:
     with VllmServer(model, dtype=DTYPE) as server:
         url = server.base_url
         name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def colocated(prompt: list[int], max_tokens: int) -> dict:
+            """Colocated's answer the second time (prefix-cached where vLLM caches MLA)."""
+            complete(url, name, prompt, max_tokens=max_tokens)
+            return complete(url, name, prompt, max_tokens=max_tokens)
+
         text_ids = prompt_ids(url, name, TEXT)
         assert len(text_ids) >= max(PROMPT_LENGTHS), len(text_ids)
         prompts = [text_ids[:n] for n in PROMPT_LENGTHS]
@@ -102,7 +110,14 @@ def reference(model: str) -> dict:
             compared_positions(first, second, f"colocated, {len(prompt)}-token prompt repeated")
             answers[tuple(prompt)] = second
         assert answers[tuple(x)]["tokens"] != answers[tuple(y)]["tokens"]
-        return {"name": name, "prompts": prompts, "x": x, "y": y, "answers": answers}
+        yield {
+            "name": name,
+            "prompts": prompts,
+            "x": x,
+            "y": y,
+            "answers": answers,
+            "colocated": colocated,
+        }
 
 
 def _prefix_caching(url: str) -> bool:
@@ -122,15 +137,14 @@ def test_mla_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_p
     )
     with LocalDeployment(spec) as pd:
         decode_url = pd.decode.base_url
-        compared = total = pulls = 0
+        pulls = divergences = 0
         for attempt in ("first", "second"):
             external_before = metric(decode_url, "vllm:external_prefix_cache_hits_total")
             local_before = metric(decode_url, "vllm:prefix_cache_hits_total")
             for prompt in reference["prompts"]:
                 got = complete(pd.proxy_url, name, prompt)
                 what = f"{prefill_tp}->{decode_tp} {attempt} {len(prompt)}-token prompt"
-                compared += compared_positions(got, answers[tuple(prompt)], what)
-                total += MAX_TOKENS
+                divergences += compare_every_position(got, prompt, reference["colocated"], what)
                 pulls += 1
             # every request loads its prompt (or, the second time, what decode's own prefix
             # cache lacks) from prefill
@@ -151,9 +165,7 @@ def test_mla_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_p
     assert decoded["tokens"] != answers[tuple(x)]["tokens"], "decode recomputed prompt X"
     control = compared_positions(decoded, answers[tuple(y)], f"{prefill_tp}->{decode_tp} X|KV(Y)")
     assert control >= 1, "negative control: not even the first token continues Y"
-    assert compared >= MIN_COMPARED_SHARE * total, (
-        f"only {compared} of {total} positions compared before near-ties diverged"
-    )
+    print(f"[mla {prefill_tp}->{decode_tp}] near-ties resolved the other way: {divergences}")
 
 
 @pytest.mark.parametrize(

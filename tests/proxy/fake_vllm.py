@@ -3,6 +3,11 @@
 It records every request it receives and answers like vLLM does: a completion JSON (with a
 top-level ``kv_transfer_params``) or, for ``"stream": true``, a server-sent event stream ending
 in ``data: [DONE]``. Tests change its attributes to make it fail, stall or misbehave.
+
+With ``generates`` set it is a tiny deterministic engine instead (:class:`TinyEngine`): it
+tokenizes, generates tokens that depend on the whole context, answers logprobs, token ids and
+usage in vLLM's shapes, holds KV like the connector's prefill and continues a prompt like its
+decode, so the proxy's joined answers can be compared with the fake's own colocated answer.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,51 @@ class ReceivedRequest:
     body: dict[str, Any]
     headers: dict[str, str]
     at: float = field(default_factory=time.monotonic)
+
+
+BOS, EOS = 1, 2
+#: token ids the tiny engine's vocabulary holds only part of a character of (decode to U+FFFD)
+PARTIAL_CHARACTER_TOKENS = frozenset(range(90, 100))
+
+
+class TinyEngine:
+    """A deterministic language model small enough to reason about in tests: the next token is
+    a function of the whole context, so a decode that continued from the wrong context answers
+    other tokens. Prompts containing ``EOS`` end at once (their first token is EOS)."""
+
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        return [BOS, *(10 + ord(c) % 80 for c in text)]
+
+    @staticmethod
+    def render(messages: list[dict[str, Any]]) -> str:
+        return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+
+    @staticmethod
+    def text(token: int) -> str:
+        if token == EOS:
+            return ""
+        return "\ufffd" if token in PARTIAL_CHARACTER_TOKENS else f"w{token} "
+
+    @staticmethod
+    def next_token(context: Sequence[int], eos: bool) -> int:
+        if eos and len(context) and context[-1] != EOS:
+            return EOS
+        return 3 + (sum(context) * 31 + len(context) * 7) % 120
+
+    @staticmethod
+    def logprob(token: int) -> float:
+        return -round(0.01 * (token % 50) + 0.001, 6)
+
+    def generate(self, prompt: list[int], max_tokens: int, eos: bool) -> tuple[list[int], str]:
+        """The generated tokens and the finish reason."""
+        out: list[int] = []
+        while len(out) < max_tokens:
+            token = self.next_token([*prompt, *out], eos)
+            out.append(token)
+            if token == EOS:
+                return out, "stop"
+        return out, "length"
 
 
 @dataclass
@@ -70,6 +120,16 @@ class FakeVllm:
         #: While clear, a stream stops after its first event, so tests can see it arrive alone.
         self.stream_gate = threading.Event()
         self.stream_gate.set()
+        #: While clear, generation requests are received but not answered.
+        self.answer_gate = threading.Event()
+        self.answer_gate.set()
+        #: Answer as the tiny engine does (:class:`TinyEngine`) instead of canned texts.
+        self.generates = False
+        #: The engine ignores ``kv_transfer_params["prompt_token_ids"]`` (vLLM before 0.30).
+        self.ignores_prompt_token_ids = False
+        #: Continuations this instance was asked for that did not continue prefill's hold.
+        self.bad_continuations: list[str] = []
+        self.engine = TinyEngine()
 
     def generation_requests(self) -> list[ReceivedRequest]:
         return [request for request in self.received if request.path in GENERATION_PATHS]
@@ -134,6 +194,137 @@ class FakeVllm:
             answer["kv_transfer_params"] = self.kv_transfer_params
         return answer
 
+    # -- the tiny engine ---------------------------------------------------------------------
+
+    def _prompt_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        if path == "/v1/chat/completions":
+            reused = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+            if reused is not None and not self.ignores_prompt_token_ids:
+                return list(reused)
+            return self.engine.tokenize(self.engine.render(body["messages"]))
+        prompt = body["prompt"]
+        return list(prompt) if isinstance(prompt, list) else self.engine.tokenize(prompt)
+
+    def _check_continuation(self, prompt: list[int], params: dict[str, Any]) -> None:
+        """What the connector's decode checks: its prompt is prefill's, or prefill's followed
+        by exactly the tokens prefill sampled."""
+        if not params.get("do_remote_prefill"):
+            return
+        held = params.get("remote_num_tokens")
+        tail = prompt[held:] if isinstance(held, int) else None
+        if held is None or (tail and tail != params.get("remote_output_token_ids")):
+            self.bad_continuations.append(f"prompt of {len(prompt)} tokens vs {params}")
+
+    def engine_answer(self, path: str, body: dict[str, Any]) -> tuple[dict, list[dict]]:
+        """The non-streamed answer and the stream chunks (without ``[DONE]``) for ``body``."""
+        chat = path == "/v1/chat/completions"
+        prompt = self._prompt_ids(path, body)
+        params = body.get("kv_transfer_params") or {}
+        self._check_continuation(prompt, params)
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        eos = "EOS" in json.dumps(body.get("messages") or body.get("prompt")) and not body.get(
+            "ignore_eos"
+        )
+        tokens, finish = self.engine.generate(prompt, limit, eos)
+        texts = [self.engine.text(t) for t in tokens]
+        ids = body.get("return_token_ids") is True
+        want_logprobs = body.get("logprobs") not in (None, False, 0)
+        base = {"id": f"{self.name}-x", "created": 1, "model": body.get("model", "tiny")}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + len(tokens),
+            "completion_tokens": len(tokens),
+        }
+
+        def logprobs(start: int, stop: int) -> Any:
+            if not want_logprobs:
+                return None
+            if chat:
+                return {
+                    "content": [
+                        {
+                            "token": texts[i],
+                            "logprob": self.engine.logprob(tokens[i]),
+                            "bytes": list(texts[i].encode()),
+                            "top_logprobs": [],
+                        }
+                        for i in range(start, stop)
+                    ]
+                }
+            return {
+                "text_offset": [len("".join(texts[:i])) for i in range(start, stop)],
+                "token_logprobs": [self.engine.logprob(tokens[i]) for i in range(start, stop)],
+                "tokens": texts[start:stop],
+                "top_logprobs": [
+                    {texts[i]: self.engine.logprob(tokens[i])} for i in range(start, stop)
+                ],
+            }
+
+        def choice(start: int, stop: int, last: bool, first: bool) -> dict[str, Any]:
+            text = "".join(texts[start:stop])
+            content = {"delta": {"content": text}} if chat else {"text": text}
+            entry = {
+                "index": 0,
+                **content,
+                "logprobs": logprobs(start, stop),
+                "finish_reason": finish if last else None,
+                "stop_reason": None,
+                "token_ids": tokens[start:stop] if ids else None,
+            }
+            if not chat:
+                entry["prompt_token_ids"] = prompt if ids and first else None
+            return entry
+
+        whole = choice(0, len(tokens), True, True)
+        if chat:
+            whole["message"] = {"role": "assistant", "content": whole.pop("delta")["content"]}
+        answer = {
+            **base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [whole],
+            "usage": usage,
+            "kv_transfer_params": self._engine_hand_off(body, prompt, tokens, finish),
+        }
+        if chat:
+            answer["prompt_token_ids"] = prompt if ids else None
+        chunk_base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+        chunks = []
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            chunks.append(
+                {**chunk_base, "choices": [role], "prompt_token_ids": prompt if ids else None}
+            )
+        for i in range(len(tokens)):
+            chunks.append(
+                {**chunk_base, "choices": [choice(i, i + 1, i == len(tokens) - 1, i == 0)]}
+            )
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**chunk_base, "choices": [], "usage": usage})
+        return answer, chunks
+
+    def _engine_hand_off(
+        self, body: dict[str, Any], prompt: list[int], tokens: list[int], finish: str
+    ) -> dict[str, Any] | None:
+        """The connector's prefill: a hold when asked, unless the answer stopped and the
+        request said not to hold then."""
+        asked = body.get("kv_transfer_params") or {}
+        if not asked.get("do_remote_decode"):
+            return None
+        if finish == "stop" and asked.get("hold_if_stopped") is False:
+            return None
+        return {
+            **self.connector_params(body),
+            "remote_num_tokens": len(prompt),
+            "remote_output_token_ids": tokens,
+        }
+
+    async def _engine_stream(self, chunks: list[dict]) -> AsyncIterator[bytes]:
+        for index, chunk in enumerate(chunks):
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if index == 0:
+                await asyncio.to_thread(self.stream_gate.wait, 10)
+        yield b"data: [DONE]\n\n"
+
     def app(self) -> FastAPI:
         app = FastAPI()
 
@@ -144,9 +335,17 @@ class FakeVllm:
             )
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            await asyncio.to_thread(self.answer_gate.wait, 10)
             if self.canned_answer is not None:
                 status, content, media_type = self.canned_answer
                 return Response(content, status_code=status, media_type=media_type)
+            if self.generates:
+                answer, chunks = self.engine_answer(request.url.path, body)
+                if body.get("stream"):
+                    return StreamingResponse(
+                        self._engine_stream(chunks), media_type="text/event-stream"
+                    )
+                return JSONResponse(answer)
             if body.get("stream"):
                 return StreamingResponse(
                     self._stream(request.url.path), media_type="text/event-stream"
@@ -155,6 +354,12 @@ class FakeVllm:
 
         app.add_api_route("/v1/completions", generate, methods=["POST"])
         app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> JSONResponse:
+            body = await request.json()
+            self.received.append(ReceivedRequest("/detokenize", body, dict(request.headers)))
+            return JSONResponse({"prompt": "".join(self.engine.text(t) for t in body["tokens"])})
 
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:

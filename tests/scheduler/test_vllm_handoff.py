@@ -18,12 +18,18 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake.proxy import payloads
+from vllm_ascend_mooncake.connector.params import InvalidTransferParams
+from vllm_ascend_mooncake.proxy import continuation, payloads
 from vllm_ascend_mooncake.testing.vllm_scheduler import (
+    EOS_TOKEN_ID,
     SIDE_CHANNEL_PORT,
     Instance,
+    decode_accepts,
     prompt_tokens,
+    remote_prefill_params,
 )
+
+COMPLETIONS = continuation.COMPLETIONS
 
 CLIENT = {"model": "tiny", "prompt": "ignored: the schedulers take token ids", "max_tokens": 4}
 
@@ -146,3 +152,101 @@ def test_a_prefill_aborted_under_overlapped_legs_makes_decode_recompute() -> Non
     while not req.is_finished():
         d.step()
     d.assert_empty()
+
+
+@pytest.mark.parametrize(
+    "prompt_len,prefill_block,decode_block",
+    [(72, 16, 16), (64, 16, 16), (63, 16, 16), (72, 32, 16), (72, 16, 32)],
+    ids=["partial-block", "whole-blocks", "one-short", "blocks32-16", "blocks16-32"],
+)
+def test_decode_continues_from_prefills_token_reading_every_prompt_token(
+    prompt_len: int, prefill_block: int, decode_block: int
+) -> None:
+    """The proxy's continued legs (proxy/continuation.py): decode's prompt is prefill's prompt
+    and the token prefill sampled; decode reads all of prefill's prompt tokens (their blocks,
+    the last one partial or not) and computes only that token, which may open a block of its
+    own."""
+    p = Instance("kv_producer", block_size=prefill_block)
+    d = Instance("kv_consumer", block_size=decode_block)
+    prompt = prompt_tokens("continued", prompt_len)
+    client = {**CLIENT, "max_tokens": 4}
+    leg = continuation.prefill_body(client)
+    p.request("cmpl-4-p", prompt, params=leg["kv_transfer_params"], max_tokens=leg["max_tokens"])
+    done = p.step(tokens={"cmpl-4-p": 77}).finished("cmpl-4-p")
+    assert done is not None and done.finish_reason == FinishReason.LENGTH
+    params = payloads.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
+    assert params["remote_output_token_ids"] == [77]
+    (hold,) = p.step().orders.holds
+    assert hold.num_prompt_tokens == prompt_len
+
+    answer = {
+        "choices": [{"text": "x", "token_ids": [77], "prompt_token_ids": prompt}],
+        "kv_transfer_params": params,
+    }
+    first = continuation.first_token(COMPLETIONS, json.dumps(answer).encode())
+    assert first is not None
+    body = continuation.decode_body(client, first)
+    assert body["prompt"] == [*prompt, 77] and body["max_tokens"] == 3
+    req = d.request("cmpl-4-d", body["prompt"], params=body["kv_transfer_params"], max_tokens=3)
+    step = d.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (pull,) = step.orders.pulls
+    assert pull.num_prompt_tokens == prompt_len  # what prefill holds, not decode's prompt
+    assert pull.remote_block_ids == hold.block_ids
+    assert pull.local_block_ids == tuple(d.block_ids("cmpl-4-d")[: -(-prompt_len // decode_block)])
+
+    d.step(finished_recving={"cmpl-4-d"})
+    p.step(finished_sending={"cmpl-4-p"})
+    step = d.step()
+    assert step.scheduled == {"cmpl-4-d": 1}  # only the continued token
+    assert req.num_computed_tokens == prompt_len + 1
+    while not req.is_finished():
+        d.step()
+    assert req.output_token_ids and len(req.output_token_ids) == 3
+    p.assert_empty()
+    d.assert_empty()
+
+
+@pytest.mark.parametrize(
+    "tail", [[78], [77, 77], []], ids=["other-token", "two-tokens", "prefills-prompt-minus-one"]
+)
+def test_decode_computes_locally_a_prompt_that_does_not_continue_prefills(tail: list[int]) -> None:
+    """A prompt that is not prefill's followed by exactly the token prefill sampled: decode
+    refuses the hand-off and computes the prompt itself (and tells prefill to free it)."""
+    prompt = prompt_tokens("mismatch", 40)
+    params = {
+        **remote_prefill_params(40, [0, 1, 2], transfer_id="t-6"),
+        "remote_output_token_ids": [77],
+    }
+    decode_prompt = prompt[:-1] if not tail else [*prompt, *tail]
+    with pytest.raises(InvalidTransferParams, match="the prompts differ"):
+        decode_accepts(params, decode_prompt)
+    d = Instance("kv_consumer")
+    req = d.request("cmpl-6-d", decode_prompt, params=params, max_tokens=1)
+    step = d.step()
+    assert step.scheduled == {"cmpl-6-d": len(decode_prompt)}
+    (release,) = step.orders.pulls
+    assert release.transfer_id == "t-6" and release.local_block_ids == ()
+    while not req.is_finished():
+        d.step()
+    d.assert_empty()
+
+
+@pytest.mark.parametrize("token", [EOS_TOKEN_ID, 77], ids=["eos", "length"])
+def test_a_continued_prefill_holds_nothing_when_its_token_ends_the_answer(token: int) -> None:
+    """``hold_if_stopped`` false: an answer that ended with prefill's token (EOS, a stop
+    string or token) is complete, nobody reads its KV; one cut at its token limit is held."""
+    p = Instance("kv_producer")
+    leg = continuation.prefill_body({**CLIENT, "max_tokens": 4})
+    p.request("cmpl-7-p", 40, params=leg["kv_transfer_params"], max_tokens=1)
+    done = p.step(tokens={"cmpl-7-p": token}).finished("cmpl-7-p")
+    holds = p.step().orders.holds
+    if token == EOS_TOKEN_ID:
+        assert done.finish_reason == FinishReason.STOP
+        assert done.kv_transfer_params is None and holds == []
+        p.assert_empty()
+    else:
+        assert done.kv_transfer_params["remote_output_token_ids"] == [77]
+        assert [hold.request_id for hold in holds] == ["cmpl-7-p"]
+        p.step(finished_sending={"cmpl-7-p"})
+        p.assert_empty()

@@ -12,11 +12,18 @@ admits the request at once and learns the block ids from prefill's read lease, w
 done; prefill checks the prompt length there. A prefill instance that fronts several data-parallel
 engines says which one answered (``remote_dp_rank`` of ``remote_dp_size``), so that the proxy can
 send the next request's prefill leg to the engine it names to decode.
+
+A decode request may continue from the token prefill sampled (the proxy streams that token to
+the client): its prompt is prefill's prompt followed by ``remote_output_token_ids``. Decode then
+reads all of prefill's prompt tokens and computes only the continued token's KV. A prefill leg
+with ``hold_if_stopped`` false (:data:`HOLD_IF_STOPPED_KEY`) keeps no KV when its token ended
+the request (EOS, a stop string): nobody continues a finished answer.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -27,6 +34,11 @@ from ..datapath.wire import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
 
 #: On a prefill request: the id the decode side will claim the prompt's KV under.
 TRANSFER_ID_KEY = "transfer_id"
+#: On a prefill request: false when the KV is wanted only if the request hit its token limit,
+#: i.e. not when its token ended it (the proxy answers the client from prefill then).
+HOLD_IF_STOPPED_KEY = "hold_if_stopped"
+#: The most tokens a prefill hands out as generated, and a decode prompt may continue with.
+MAX_OUTPUT_TOKENS = 64
 
 _Name = Annotated[str, msgspec.Meta(max_length=MAX_TRANSFER_ID_CHARS)]
 
@@ -53,11 +65,23 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     #: lets a proxy pin a request to the engine whose address it sends decode.
     remote_dp_rank: int = 0
     remote_dp_size: int = 1
+    #: The tokens prefill sampled after the prompt: a decode request whose prompt is prefill's
+    #: prompt followed by these continues from them (it reads every prompt token's KV).
+    remote_output_token_ids: (
+        Annotated[list[int], msgspec.Meta(max_length=MAX_OUTPUT_TOKENS)] | None
+    ) = None
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+    def prefill_tokens(self, num_prompt_tokens: int) -> int:
+        """How many leading tokens of a decode prompt of ``num_prompt_tokens`` prefill computed
+        (what decode reads): all of them, unless the prompt continues from prefill's output."""
+        if self.remote_num_tokens is None:
+            return num_prompt_tokens
+        return min(self.remote_num_tokens, num_prompt_tokens)
 
 
 def transfer_id_of(params: dict[str, Any], request_id: str) -> str:
@@ -80,12 +104,19 @@ def bounded_id(request_id: str) -> str:
 
 
 def parse_remote_prefill(
-    params: dict[str, Any], *, topologies: Topologies, block_size: int, num_prompt_tokens: int
+    params: dict[str, Any],
+    *,
+    topologies: Topologies,
+    block_size: int,
+    prompt_token_ids: Sequence[int],
 ) -> RemotePrefill:
     """Validate decode-side params against this deployment and the request's own prompt.
 
     The prefill instance may run any TP size this decode instance can pair with
-    (``topologies``): a decode instance can be fed by prefill instances of several sizes."""
+    (``topologies``): a decode instance can be fed by prefill instances of several sizes. The
+    prompt is prefill's (same length), or prefill's followed by exactly the tokens prefill
+    sampled (``remote_output_token_ids``)."""
+    num_prompt_tokens = len(prompt_token_ids)
     try:
         parsed = msgspec.convert(params, RemotePrefill, strict=True)
     except msgspec.ValidationError as exc:
@@ -105,11 +136,14 @@ def parse_remote_prefill(
         ) from exc
     if parsed.remote_block_ids is None:
         return parsed  # overlapped legs: prefill checks the prompt when decode claims the read
-    if parsed.remote_num_tokens != num_prompt_tokens:
+    if parsed.remote_num_tokens is None or not 0 < parsed.remote_num_tokens <= num_prompt_tokens:
         raise InvalidTransferParams(
             f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
             f"request has {num_prompt_tokens}: the prompts differ"
         )
+    if parsed.remote_num_tokens < num_prompt_tokens:
+        _check_continuation(parsed, prompt_token_ids)
+    num_prompt_tokens = parsed.remote_num_tokens
     prefill_block_size = (
         block_size if parsed.remote_block_size is None else parsed.remote_block_size
     )
@@ -130,6 +164,18 @@ def parse_remote_prefill(
     if any(b < 0 for b in blocks):
         raise InvalidTransferParams("negative remote block id")
     return parsed
+
+
+def _check_continuation(parsed: RemotePrefill, prompt_token_ids: Sequence[int]) -> None:
+    """A prompt longer than prefill's must end with exactly the tokens prefill sampled."""
+    assert parsed.remote_num_tokens is not None
+    tail = list(prompt_token_ids[parsed.remote_num_tokens :])
+    if parsed.remote_output_token_ids is None or tail != parsed.remote_output_token_ids:
+        raise InvalidTransferParams(
+            f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
+            f"request has {len(prompt_token_ids)} and continues with {tail[:8]}, not with the "
+            f"tokens prefill sampled ({parsed.remote_output_token_ids}): the prompts differ"
+        )
 
 
 class ReleaseTarget(msgspec.Struct, frozen=True):

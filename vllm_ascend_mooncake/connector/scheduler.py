@@ -30,6 +30,8 @@ from ..log import get_logger
 from ..timeline import TimelineLog
 from .config import ConnectorConfig, is_loopback
 from .params import (
+    HOLD_IF_STOPPED_KEY,
+    MAX_OUTPUT_TOKENS,
     MAX_TRANSFER_ID_CHARS,
     TRANSFER_ID_KEY,
     InvalidTransferParams,
@@ -105,7 +107,7 @@ class ConnectorScheduler:
                 params,
                 topologies=self._topologies,
                 block_size=self.config.block_size,
-                num_prompt_tokens=request.num_prompt_tokens,
+                prompt_token_ids=request.prompt_token_ids or (),
             )
         except InvalidTransferParams as exc:
             logger.warning(
@@ -150,7 +152,7 @@ class ConnectorScheduler:
         remote = self._remote_prefill(request)
         if remote is None:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = remote.prefill_tokens(request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -163,10 +165,9 @@ class ConnectorScheduler:
         params["do_remote_prefill"] = False  # one transfer per request
         local: list[int] = []
         if num_external_tokens > 0:
-            cached_blocks = (
-                request.num_prompt_tokens - num_external_tokens
-            ) // self.config.block_size
-            prompt_blocks = _cdiv(request.num_prompt_tokens, self.config.block_size)
+            prefill_tokens = remote.prefill_tokens(request.num_prompt_tokens)
+            cached_blocks = (prefill_tokens - num_external_tokens) // self.config.block_size
+            prompt_blocks = _cdiv(prefill_tokens, self.config.block_size)
             local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
         admitted_at = time.time()
         if local:
@@ -219,7 +220,7 @@ class ConnectorScheduler:
             remote_host=remote.remote_host,
             remote_port=remote.remote_port,
             remote_engine_id=remote.remote_engine_id,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=remote.prefill_tokens(request.num_prompt_tokens),
             remote_tp_size=remote.remote_tp_size,
             arrived_at=arrived_at,
             admitted_at=admitted_at,
@@ -299,11 +300,12 @@ class ConnectorScheduler:
                 MAX_TRANSFER_ID_CHARS,
             )
         prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
-        handed_off = request.status in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
+        handed_off = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
+            request.status == RequestStatus.FINISHED_STOPPED
+            and params.get(HOLD_IF_STOPPED_KEY, True) is not False
         )
-        if not handed_off or not prompt_blocks:  # aborted or errored: nobody will read it
+        # Aborted or errored, or ended by its token where the answer is complete: nobody reads it.
+        if not handed_off or not prompt_blocks:
             if transfer_id != request.request_id:
                 self._orders.drops.append(transfer_id)  # a decode may already be waiting
             return False, None
@@ -330,6 +332,7 @@ class ConnectorScheduler:
             remote_block_size=self.config.block_size,
             remote_dp_rank=self.config.server_dp_rank,
             remote_dp_size=self.config.server_dp_size,
+            remote_output_token_ids=list(request.output_token_ids)[:MAX_OUTPUT_TOKENS],
         ).to_dict()
 
     def _try_parse(self, request: Request) -> RemotePrefill | None:
@@ -338,7 +341,7 @@ class ConnectorScheduler:
                 request.kv_transfer_params,
                 topologies=self._topologies,
                 block_size=self.config.block_size,
-                num_prompt_tokens=request.num_prompt_tokens,
+                prompt_token_ids=request.prompt_token_ids or (),
             )
         except InvalidTransferParams:
             return None

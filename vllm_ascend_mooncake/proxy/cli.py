@@ -16,6 +16,7 @@ from .balancer import (
     DEFAULT_MAX_BACKOFF_S,
     EjectionPolicy,
 )
+from .continuation import FIRST_TOKEN_SOURCES, FROM_PREFILL
 from .health import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -108,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         "legs, the default once a prefill instance has answered, save a round trip)",
     )
     parser.add_argument(
+        "--first-token",
+        choices=FIRST_TOKEN_SOURCES,
+        default=FROM_PREFILL,
+        help="where an answer's first token comes from: 'prefill' streams the token prefill "
+        "sampled as soon as prefill answers and decode continues from it (requests whose "
+        "parameters decode could not continue exactly keep decode's token); 'decode' has decode "
+        "sample it again. A client picks per request with the X-First-Token-From header; "
+        "default %(default)s",
+    )
+    parser.add_argument(
         "--no-hold-renewal",
         action="store_true",
         help="do not renew prefill's hold on a request's KV while its decode request may be "
@@ -178,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overlap_legs=not args.serial_legs,
             max_body_bytes=args.max_body_mib << 20,
             renew_holds=not args.no_hold_renewal,
+            first_token=args.first_token,
             connect_timeout_s=args.connect_timeout_s,
             health_interval_s=args.health_interval_s,
             health_timeout_s=args.health_timeout_s,

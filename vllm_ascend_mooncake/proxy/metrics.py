@@ -90,6 +90,13 @@ class ProxyMetrics:
             "or on the engine decode was told",
             registry=self.registry,
         )
+        self.decode_first_tokens = Counter(
+            "vam_proxy_decode_first_tokens",
+            "requests whose first token decode sampled again instead of continuing from "
+            "prefill's, by the reason (a parameter, or 'asked' by flag or header)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.hold_renewals = Counter(
             "vam_proxy_hold_renewals",
             "prefill holds renewed while their decode request may have been queued",

@@ -319,16 +319,17 @@ def remote_prefill_params(
     ).to_dict()
 
 
-def decode_accepts(params: dict[str, Any], num_prompt_tokens: int, **config: Any) -> RemotePrefill:
+def decode_accepts(params: dict[str, Any], prompt: int | list[int], **config: Any) -> RemotePrefill:
     """``params`` (a prefill's ``kv_transfer_params``) validated as a decode instance of
-    :func:`vllm_config` ``("kv_consumer", **config)`` validates them on arrival; raises
-    ``InvalidTransferParams`` where that decode would compute the prompt itself."""
+    :func:`vllm_config` ``("kv_consumer", **config)`` validates them on arrival for a request
+    with ``prompt`` (token ids, or only their number); raises ``InvalidTransferParams`` where
+    that decode would compute the prompt itself."""
     decode = config_from_vllm(vllm_config("kv_consumer", **config))
     return parse_remote_prefill(
         params,
         topologies=Topologies(decode.topology(), local_is_decode=True),
         block_size=decode.block_size,
-        num_prompt_tokens=num_prompt_tokens,
+        prompt_token_ids=[0] * prompt if isinstance(prompt, int) else prompt,
     )
 
 

@@ -1,0 +1,364 @@
+"""Decode continuing from prefill's token, through the proxy, in front of fake engines.
+
+The fakes generate like a tiny deterministic model (``fake_vllm.TinyEngine``): each token depends
+on the whole context, so a decode that continued from anything but the prompt and prefill's token
+answers other tokens. Every answer through the proxy is compared with what one fake instance
+answers the same request alone (the colocated answer): text, tokens, logprobs with their offsets,
+finish reason and usage, streamed and not, completions and chat.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fake_vllm import PARTIAL_CHARACTER_TOKENS, FakeVllm, TinyEngine
+from loopback_server import serve_on_loopback
+
+from vllm_ascend_mooncake.proxy import create_app
+from vllm_ascend_mooncake.proxy.continuation import FIRST_TOKEN_HEADER, blocker
+from vllm_ascend_mooncake.testing.waiting import wait_until
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def body_for(path: str, prompt: str = "Hello there", **extra: Any) -> dict[str, Any]:
+    if path == CHAT:
+        request = {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}
+    else:
+        request = {"model": "tiny", "prompt": prompt}
+    return {**request, "max_tokens": 6, "temperature": 0.0, **extra}
+
+
+@dataclass
+class Engines:
+    prefill: FakeVllm
+    decode: FakeVllm
+    colocated: FakeVllm
+    urls: dict[str, str]
+
+    def url(self, fake: FakeVllm) -> str:
+        return self.urls[fake.name]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    fakes = [FakeVllm(name) for name in ("prefill", "decode", "colocated")]
+    with ExitStack() as stack:
+        urls = {fake.name: stack.enter_context(serve_on_loopback(fake.app())) for fake in fakes}
+        yield Engines(*fakes, urls=urls)
+
+
+@pytest.fixture(autouse=True)
+def generating(engines: Engines) -> Iterator[None]:
+    for fake in (engines.prefill, engines.decode, engines.colocated):
+        fake.reset()
+        fake.generates = True
+        fake.hands_off_like_the_connector = True
+    yield
+    for fake in (engines.prefill, engines.decode, engines.colocated):
+        fake.stream_gate.set()
+        fake.answer_gate.set()
+
+
+@pytest.fixture
+def proxy(engines: Engines) -> Iterator[httpx.Client]:
+    app = create_app([engines.url(engines.prefill)], [engines.url(engines.decode)])
+    with serve_on_loopback(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield client
+
+
+def colocated(engines: Engines, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{engines.url(engines.colocated)}{path}", json=body, timeout=30)
+
+
+def events(response: httpx.Response) -> list[Any]:
+    """A stream's events: parsed chunks, and the string ``[DONE]``."""
+    parsed = []
+    for line in response.text.split("\n\n"):
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            parsed.append(payload if payload == "[DONE]" else json.loads(payload))
+    return parsed
+
+
+def joined(path: str, chunks: list[Any]) -> dict[str, Any]:
+    """What a client assembles from a stream: text, logprobs entries, token ids, the finish
+    reason, the usage and the prompt token ids."""
+    text, logprobs, token_ids = "", [], []
+    offsets, finish, usage, prompt_ids = [], None, None, None
+    assert chunks[-1] == "[DONE]" and "[DONE]" not in chunks[:-1]
+    for chunk in chunks[:-1]:
+        assert "error" not in chunk, chunk
+        usage = chunk.get("usage") or usage
+        prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+        for choice in chunk["choices"]:
+            if path == CHAT:
+                text += choice["delta"].get("content") or ""
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+            else:
+                text += choice["text"]
+                lp = choice.get("logprobs") or {}
+                logprobs += list(
+                    zip(lp.get("tokens", []), lp.get("token_logprobs", []), strict=True)
+                )
+                offsets += lp.get("text_offset", [])
+                prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+            token_ids += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+    return {
+        "text": text,
+        "logprobs": logprobs,
+        "offsets": offsets,
+        "token_ids": token_ids,
+        "finish": finish,
+        "usage": usage,
+        "prompt_ids": prompt_ids,
+    }
+
+
+def same_answer(path: str, got: httpx.Response, want: httpx.Response, streamed: bool) -> None:
+    assert got.status_code == want.status_code == 200, got.text
+    if streamed:
+        assert joined(path, events(got)) == joined(path, events(want))
+        return
+    got_json, want_json = got.json(), want.json()
+    assert got_json["choices"] == want_json["choices"]
+    assert got_json["usage"] == want_json["usage"]
+    assert got_json.get("prompt_token_ids") == want_json.get("prompt_token_ids")
+
+
+OPTIONS = {
+    "plain": {},
+    "logprobs": {"logprobs": 2},
+    "token ids": {"return_token_ids": True},
+    "usage": {"stream_options": {"include_usage": True}},
+    "min_tokens": {"min_tokens": 3, "ignore_eos": True},
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_the_joined_answer_equals_the_colocated_one(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool, option: str
+) -> None:
+    extra = dict(OPTIONS[option])
+    if option == "logprobs" and path == CHAT:
+        extra = {"logprobs": True, "top_logprobs": 2}
+    if option == "usage" and not streamed:
+        extra = {}
+    body = body_for(path, stream=streamed, **extra)
+
+    same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), streamed)
+
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert prefill_leg.body["max_tokens"] == 1 and prefill_leg.body["stream"] is False
+    assert prefill_leg.body["return_token_ids"] is True
+    assert prefill_leg.body["kv_transfer_params"]["hold_if_stopped"] is False
+    (decode_leg,) = engines.decode.generation_requests()
+    assert decode_leg.body["max_tokens"] == body["max_tokens"] - 1
+    assert engines.decode.bad_continuations == []
+    if path == COMPLETIONS:
+        # decode's prompt: prefill's prompt token ids and its token
+        prompt = TinyEngine.tokenize(body["prompt"])
+        assert decode_leg.body["prompt"][: len(prompt)] == prompt
+        assert len(decode_leg.body["prompt"]) == len(prompt) + 1
+    else:
+        assert "prompt_token_ids" in decode_leg.body["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_first_token_reaches_the_client_before_decode_answers(
+    engines: Engines, proxy: httpx.Client, path: str
+) -> None:
+    engines.decode.answer_gate.clear()
+    body = body_for(path, stream=True)
+    with proxy.stream("POST", path, json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        if path == CHAT:  # the role chunk, then the token
+            first = next(line for line in lines if line.startswith("data: "))
+        chunk = json.loads(first[len("data: ") :])
+        one = {**body, "stream": False, "max_tokens": 1}
+        want = colocated(engines, path, one).json()["choices"][0]
+        if path == CHAT:
+            assert chunk["choices"][0]["delta"]["content"] == want["message"]["content"]
+        else:
+            assert chunk["choices"][0]["text"] == want["text"]
+        assert len(engines.decode.generation_requests()) == 1  # asked, not answered yet
+        engines.decode.answer_gate.set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_one_token_answers_never_ask_decode_nor_hold_kv(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    body = body_for(path, max_tokens=1, stream=streamed, logprobs=2 if path != CHAT else True)
+    same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), streamed)
+    assert engines.decode.generation_requests() == []
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert "kv_transfer_params" not in prefill_leg.body
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_an_answer_that_ends_at_its_first_token_comes_from_prefill_alone(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    """The first token is EOS: prefill's answer is the whole answer, prefill holds nothing."""
+    body = body_for(path, prompt="EOS please", stream=streamed)
+    want = colocated(engines, path, body)
+    same_answer(path, proxy.post(path, json=body), want, streamed)
+    assert engines.decode.generation_requests() == []
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert prefill_leg.body["kv_transfer_params"]["hold_if_stopped"] is False
+
+
+def partial_character_prompt() -> str:
+    """A prompt whose first generated token is part of a character."""
+    for i in range(10_000):
+        prompt = f"p{i}"
+        if TinyEngine.next_token(TinyEngine.tokenize(prompt), False) in PARTIAL_CHARACTER_TOKENS:
+            return prompt
+    raise AssertionError("no prompt found")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS])
+def test_a_first_token_that_is_part_of_a_character_is_sampled_again_by_decode(
+    engines: Engines, proxy: httpx.Client, path: str
+) -> None:
+    """vLLM's detokenizer would start decode's text with the prompt (token_texts.py)."""
+    body = body_for(path, prompt=partial_character_prompt(), stream=True)
+    same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), True)
+    (decode_leg,) = engines.decode.generation_requests()
+    assert decode_leg.body["prompt"] == body["prompt"]  # the client's prompt, not token ids
+    assert engines.decode.bad_continuations == []
+    metrics = proxy.get("/metrics").text
+    assert 'vam_proxy_decode_first_tokens_total{reason="partial character"} 1.0' in metrics
+
+
+BLOCKED = {
+    "n": ({"n": 2}, "n"),
+    "seed": ({"seed": 3, "temperature": 0.8}, "seed"),
+    "stop string": ({"stop": ["ab"]}, "stop"),
+    "frequency penalty": ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    "echo": ({"echo": True}, "echo"),
+    "structured output": ({"response_format": {"type": "json_object"}}, "response_format"),
+    "unknown": ({"vllm_xargs": {"a": 1}}, "parameter vllm_xargs"),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKED)
+def test_requests_decode_could_not_continue_exactly_keep_decodes_first_token(
+    engines: Engines, proxy: httpx.Client, case: str
+) -> None:
+    extra, reason = BLOCKED[case]
+    body = body_for(COMPLETIONS, **extra)
+    assert proxy.post(COMPLETIONS, json=body).status_code == 200
+    (decode_leg,) = engines.decode.generation_requests()
+    assert decode_leg.body["prompt"] == body["prompt"]
+    assert decode_leg.body["max_tokens"] == body["max_tokens"]
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert "return_token_ids" not in prefill_leg.body
+    metrics = proxy.get("/metrics").text
+    assert f'vam_proxy_decode_first_tokens_total{{reason="{reason}"}} 1.0' in metrics
+
+
+def test_blockers_of_chat_requests() -> None:
+    chat = body_for(CHAT)
+    assert blocker(CHAT, chat) is None
+    assert blocker(CHAT, {**chat, "tools": [{"type": "function"}]}) == "tools"
+    assert blocker(CHAT, {**chat, "tool_choice": "auto"}) == "tool_choice"
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    media = [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]
+    assert blocker(CHAT, {**chat, "messages": media}) == "messages"
+    no_limit = {key: value for key, value in chat.items() if key != "max_tokens"}
+    assert blocker(CHAT, no_limit) == "no max_tokens"
+    assert blocker(CHAT, {**no_limit, "max_completion_tokens": 4}) is None
+    assert blocker(COMPLETIONS, {**body_for(COMPLETIONS), "stop": ["\n", "."]}) is None
+    assert blocker(COMPLETIONS, {**body_for(COMPLETIONS), "prompt": ["a", "b"]}) == "prompt"
+    assert blocker("/v1/responses", chat) == "path"
+
+
+def test_the_client_header_and_the_proxy_flag_keep_decodes_first_token(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    body = body_for(COMPLETIONS)
+    assert proxy.post(COMPLETIONS, json=body, headers={FIRST_TOKEN_HEADER: "decode"}).is_success
+    (decode_leg,) = engines.decode.generation_requests()
+    assert decode_leg.body["prompt"] == body["prompt"]
+
+    app = create_app(
+        [engines.url(engines.prefill)], [engines.url(engines.decode)], first_token="decode"
+    )
+    with serve_on_loopback(app) as url:
+        assert httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=30).is_success
+    assert engines.decode.generation_requests()[-1].body["prompt"] == body["prompt"]
+    with pytest.raises(ValueError, match="first_token"):
+        create_app(["http://a:1"], ["http://b:2"], first_token="both")
+
+
+def test_a_chat_decode_that_ignores_the_prompt_token_ids_fails_the_request_visibly(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    """vLLM before 0.30 renders the messages itself: its answer would repeat the first token."""
+    engines.decode.ignores_prompt_token_ids = True
+    body = body_for(CHAT)
+    whole = proxy.post(CHAT, json=body)
+    assert whole.status_code == 502
+    assert "--first-token decode" in whole.json()["error"]["message"]
+
+    streamed = events(proxy.post(CHAT, json={**body, "stream": True}))
+    assert streamed[1]["choices"][0]["delta"]["content"]  # prefill's token went out first
+    assert "--first-token decode" in streamed[-2]["error"]["message"]
+    assert streamed[-1] == "[DONE]"
+
+
+def test_a_decode_error_after_the_first_token_ends_the_stream_with_it(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    engines.decode.canned_answer = (
+        503,
+        json.dumps({"error": {"message": "decode is full", "code": 503}}).encode(),
+        "application/json",
+    )
+    streamed = events(proxy.post(COMPLETIONS, json=body_for(COMPLETIONS, stream=True)))
+    assert streamed[0]["choices"][0]["text"]
+    assert streamed[1]["error"] == {"message": "decode is full", "type": "DecodeError", "code": 503}
+    assert streamed[2] == "[DONE]"
+    # not streamed: decode's error reaches the client unchanged
+    assert proxy.post(COMPLETIONS, json=body_for(COMPLETIONS)).status_code == 503
+
+
+def test_a_prefill_error_reaches_the_client_before_anything_streams(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    engines.prefill.canned_answer = (400, b'{"error": {"message": "bad"}}', "application/json")
+    response = proxy.post(COMPLETIONS, json=body_for(COMPLETIONS, stream=True))
+    assert response.status_code == 400 and response.json() == {"error": {"message": "bad"}}
+    assert engines.decode.generation_requests() == []
+
+
+def test_a_client_leaving_mid_stream_frees_the_decode(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    engines.decode.stream_gate.clear()
+    with proxy.stream("POST", COMPLETIONS, json=body_for(COMPLETIONS, stream=True)) as stream:
+        next(stream.iter_raw())
+    proxy.close()  # the client hangs up while decode is still streaming
+    engines.decode.stream_gate.set()
+    with httpx.Client(base_url=proxy.base_url, timeout=20) as observer:
+        wait_until(
+            lambda: observer.get("/ready").json()["decode"][0]["in_flight"] == 0,
+            "the proxy stops counting the abandoned decode stream",
+        )
