@@ -156,13 +156,20 @@ def test_the_joined_answer_equals_the_colocated_one(
         extra = {}
     body = body_for(path, stream=streamed, **extra)
 
-    same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), streamed)
+    # The first request teaches the proxy where prefill holds KV; the second streams its
+    # prefill leg under a transfer id of the proxy's.
+    for _ in range(2):
+        same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), streamed)
 
-    (prefill_leg,) = engines.prefill.generation_requests()
-    assert prefill_leg.body["max_tokens"] == 1 and prefill_leg.body["stream"] is False
-    assert prefill_leg.body["return_token_ids"] is True
-    assert prefill_leg.body["kv_transfer_params"]["hold_if_stopped"] is False
-    (decode_leg,) = engines.decode.generation_requests()
+    whole_leg, streamed_leg = engines.prefill.generation_requests()
+    for leg in (whole_leg, streamed_leg):
+        assert leg.body["max_tokens"] == 1 and leg.body["return_token_ids"] is True
+        assert leg.body["kv_transfer_params"]["hold_if_stopped"] is False
+    assert whole_leg.body["stream"] is False
+    assert streamed_leg.body["stream"] is True
+    transfer_id = streamed_leg.body["kv_transfer_params"]["transfer_id"]
+    _, decode_leg = engines.decode.generation_requests()
+    assert decode_leg.body["kv_transfer_params"]["remote_request_id"] == transfer_id
     assert decode_leg.body["max_tokens"] == body["max_tokens"] - 1
     assert engines.decode.bad_continuations == []
     if path == COMPLETIONS:
@@ -204,10 +211,13 @@ def test_one_token_answers_never_ask_decode_nor_hold_kv(
     engines: Engines, proxy: httpx.Client, path: str, streamed: bool
 ) -> None:
     body = body_for(path, max_tokens=1, stream=streamed, logprobs=2 if path != CHAT else True)
+    if streamed:
+        body["stream_options"] = {"include_usage": True}
+    teach_prefill_address(engines, proxy, path)
     same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), streamed)
     assert engines.decode.generation_requests() == []
     (prefill_leg,) = engines.prefill.generation_requests()
-    assert "kv_transfer_params" not in prefill_leg.body
+    assert "kv_transfer_params" not in prefill_leg.body and prefill_leg.body["stream"] is True
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
@@ -218,10 +228,25 @@ def test_an_answer_that_ends_at_its_first_token_comes_from_prefill_alone(
     """The first token is EOS: prefill's answer is the whole answer, prefill holds nothing."""
     body = body_for(path, prompt="EOS please", stream=streamed)
     want = colocated(engines, path, body)
-    same_answer(path, proxy.post(path, json=body), want, streamed)
+    same_answer(path, proxy.post(path, json=body), want, streamed)  # a whole prefill leg
+    (whole_leg,) = engines.prefill.generation_requests()
+    teach_prefill_address(engines, proxy, path)
+    # Streamed legs; an answer that held nothing leaves the proxy knowing where prefill is.
+    for _ in range(2):
+        same_answer(path, proxy.post(path, json=body), want, streamed)
     assert engines.decode.generation_requests() == []
-    (prefill_leg,) = engines.prefill.generation_requests()
-    assert prefill_leg.body["kv_transfer_params"]["hold_if_stopped"] is False
+    streamed_legs = engines.prefill.generation_requests()
+    for leg in (whole_leg, *streamed_legs):
+        assert leg.body["kv_transfer_params"]["hold_if_stopped"] is False
+    assert [leg.body["stream"] for leg in streamed_legs] == [True, True]
+
+
+def teach_prefill_address(engines: Engines, proxy: httpx.Client, path: str) -> None:
+    """One request, so the proxy learns where prefill holds KV (its later prefill legs are
+    streamed); the fakes then forget it."""
+    assert proxy.post(path, json=body_for(path, prompt="teach")).is_success
+    for fake in (engines.prefill, engines.decode):
+        fake.received.clear()
 
 
 def partial_character_prompt() -> str:
@@ -340,13 +365,18 @@ def test_a_decode_error_after_the_first_token_ends_the_stream_with_it(
     assert proxy.post(COMPLETIONS, json=body_for(COMPLETIONS)).status_code == 503
 
 
+@pytest.mark.parametrize("leg", ["whole", "streamed"])
 def test_a_prefill_error_reaches_the_client_before_anything_streams(
-    engines: Engines, proxy: httpx.Client
+    engines: Engines, proxy: httpx.Client, leg: str
 ) -> None:
+    if leg == "streamed":
+        teach_prefill_address(engines, proxy, COMPLETIONS)
     engines.prefill.canned_answer = (400, b'{"error": {"message": "bad"}}', "application/json")
     response = proxy.post(COMPLETIONS, json=body_for(COMPLETIONS, stream=True))
     assert response.status_code == 400 and response.json() == {"error": {"message": "bad"}}
     assert engines.decode.generation_requests() == []
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert prefill_leg.body["stream"] is (leg == "streamed")
 
 
 def test_a_client_leaving_mid_stream_frees_the_decode(

@@ -134,16 +134,19 @@ def parse_remote_prefill(
             f"this decode instance cannot read a prefill instance of TP "
             f"{parsed.remote_tp_size}: {exc}"
         ) from exc
+    if parsed.remote_num_tokens is not None:
+        if not 0 < parsed.remote_num_tokens <= num_prompt_tokens:
+            raise InvalidTransferParams(
+                f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
+                f"request has {num_prompt_tokens}: the prompts differ"
+            )
+        if parsed.remote_num_tokens < num_prompt_tokens:
+            _check_continuation(parsed, prompt_token_ids)
+        num_prompt_tokens = parsed.remote_num_tokens
     if parsed.remote_block_ids is None:
-        return parsed  # overlapped legs: prefill checks the prompt when decode claims the read
-    if parsed.remote_num_tokens is None or not 0 < parsed.remote_num_tokens <= num_prompt_tokens:
-        raise InvalidTransferParams(
-            f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
-            f"request has {num_prompt_tokens}: the prompts differ"
-        )
-    if parsed.remote_num_tokens < num_prompt_tokens:
-        _check_continuation(parsed, prompt_token_ids)
-    num_prompt_tokens = parsed.remote_num_tokens
+        return parsed  # before prefill answered: prefill checks the prompt when decode claims
+    if parsed.remote_num_tokens is None:
+        raise InvalidTransferParams("remote_block_ids without remote_num_tokens")
     prefill_block_size = (
         block_size if parsed.remote_block_size is None else parsed.remote_block_size
     )

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..connector.params import HOLD_IF_STOPPED_KEY
+from ..connector.params import HOLD_IF_STOPPED_KEY, TRANSFER_ID_KEY
 from .payloads import PREFILL_KV_TRANSFER_PARAMS, kv_transfer_params_from_prefill
 
 COMPLETIONS = "/v1/completions"
@@ -183,10 +183,14 @@ def blocker(path: str, body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of a continued request: its first token, not streamed, with the prompt
-    and token ids to continue from. Its KV is held for decode unless the client wants that one
-    token only, and not when the token ends the answer."""
+def prefill_body(
+    client_body: dict[str, Any], transfer_id: str | None = None, *, stream: bool = False
+) -> dict[str, Any]:
+    """The prefill leg of a continued request: its first token, with the prompt and token ids
+    to continue from. Its KV is held for decode (under ``transfer_id`` when the proxy names it)
+    unless the client wants that one token only, and not when the token ends the answer. A
+    streamed leg (``stream``) reaches the proxy as soon as the token is sampled; with its usage,
+    which a client's stream ending at that token carries."""
     body = {key: value for key, value in client_body.items() if key != "stream_options"}
     limit = token_limit(client_body)
     for key in ("max_tokens", "max_completion_tokens"):
@@ -194,11 +198,16 @@ def prefill_body(client_body: dict[str, Any]) -> dict[str, Any]:
             body[key] = 1
     if isinstance(body.get("min_tokens"), int):
         body["min_tokens"] = min(body["min_tokens"], 1)  # vLLM wants min_tokens <= max_tokens
-    body["stream"] = False
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     body["return_token_ids"] = True
     body.pop("kv_transfer_params", None)
     if limit != 1:
-        body["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, HOLD_IF_STOPPED_KEY: False}
+        params = {**PREFILL_KV_TRANSFER_PARAMS, HOLD_IF_STOPPED_KEY: False}
+        if transfer_id is not None:
+            params[TRANSFER_ID_KEY] = transfer_id
+        body["kv_transfer_params"] = params
     return body
 
 
@@ -267,6 +276,78 @@ def first_token(path: str, response_body: bytes) -> FirstToken | None:
     if not token_ids or not prompt_token_ids:
         return None
     return FirstToken(path, answer, prompt_token_ids, token_ids)
+
+
+def first_token_from_stream(
+    path: str, chunks: list[dict[str, Any]], held_at: dict[str, Any] | None
+) -> FirstToken | None:
+    """Prefill's streamed answer to a continued request's prefill leg, read up to and with the
+    chunk of its token (and any after it), as the whole answer it stands for; None if it lacks
+    the token ids. Streams carry no ``kv_transfer_params``: ``held_at`` are the ones decode
+    needs when prefill held the KV (the engine's address and the proxy's transfer id), the
+    prompt's length and prefill's token added here."""
+    chunks = [chunk for chunk in chunks if isinstance(chunk, dict)]
+    token_chunks = [c for c in chunks if c.get("choices") and isinstance(c["choices"][0], dict)]
+    if not token_chunks:
+        return None
+    first = token_chunks[0]
+    choice: dict[str, Any] = {"index": 0}
+    texts, token_ids, logprobs, prompt_token_ids = [], [], [], None
+    for chunk in token_chunks:
+        part = chunk["choices"][0]
+        prompt_token_ids = (
+            chunk.get("prompt_token_ids") or part.get("prompt_token_ids") or (prompt_token_ids)
+        )
+        token_ids += _token_ids(part.get("token_ids")) or []
+        if path == CHAT:
+            texts.append((part.get("delta") or {}).get("content") or "")
+            logprobs += (part.get("logprobs") or {}).get("content") or []
+        else:
+            texts.append(part.get("text") or "")
+            logprobs.append(part.get("logprobs"))
+        for key in ("finish_reason", "stop_reason"):
+            if part.get(key) is not None:
+                choice[key] = part[key]
+    prompt_token_ids = _token_ids(prompt_token_ids)
+    if not token_ids or not prompt_token_ids:
+        return None
+    choice.setdefault("finish_reason", None)
+    choice.setdefault("stop_reason", None)
+    choice["token_ids"] = token_ids
+    if path == CHAT:
+        choice["message"] = {"role": "assistant", "content": "".join(texts)}
+        choice["logprobs"] = {"content": logprobs} if logprobs else None
+    else:
+        choice["text"] = "".join(texts)
+        choice["logprobs"] = _joined_completion_logprobs(logprobs)
+        choice["prompt_token_ids"] = prompt_token_ids
+    answer: dict[str, Any] = {
+        key: first.get(key) for key in ("id", "created", "model") if key in first
+    }
+    answer["object"] = "chat.completion" if path == CHAT else "text_completion"
+    answer["choices"] = [choice]
+    usage = next((c["usage"] for c in chunks if isinstance(c.get("usage"), dict)), None)
+    if usage is not None:
+        answer["usage"] = usage
+    if path == CHAT:
+        answer["prompt_token_ids"] = prompt_token_ids
+    ended = choice["finish_reason"] not in (None, "length")
+    if held_at is not None and not ended:
+        answer["kv_transfer_params"] = {
+            **held_at,
+            "remote_num_tokens": len(prompt_token_ids),
+            "remote_output_token_ids": token_ids,
+        }
+    return FirstToken(path, answer, prompt_token_ids, token_ids)
+
+
+def _joined_completion_logprobs(parts: list[Any]) -> dict[str, Any] | None:
+    """The completion logprobs of several stream chunks as one answer's."""
+    parts = [part for part in parts if isinstance(part, dict)]
+    if not parts:
+        return None
+    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+    return {key: [value for part in parts for value in part.get(key) or []] for key in keys}
 
 
 def decode_body(client_body: dict[str, Any], first: FirstToken) -> dict[str, Any]:

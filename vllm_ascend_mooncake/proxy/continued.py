@@ -12,16 +12,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import continuation
-from .errors import UpstreamUnreachable, error_response
+from .balancer import Upstream
+from .continuation import FirstToken
+from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
 from .legs import Legs
-from .payloads import InvalidPrefillResponse
+from .payloads import (
+    InvalidPrefillResponse,
+    kv_transfer_params_from_prefill,
+    new_transfer_id,
+    overlapped_decode_params,
+)
+from .prefill_ranks import RankChoice
 from .splice import DONE, ContinuationMismatch, Splice, error_event
 from .token_texts import TokenTexts
 from .trace import RequestTrace
@@ -41,6 +49,76 @@ def _error_message(body: bytes) -> str:
         return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return body.decode(errors="replace")[:1000]
+
+
+class _PrefillStream:
+    """A streamed prefill leg's answer: read up to its token, then the rest (a few bytes that
+    follow at once) before its instance counts as free again."""
+
+    def __init__(
+        self, legs: Legs, upstream: Upstream, choice: RankChoice, response: httpx.Response
+    ) -> None:
+        self._legs = legs
+        self._upstream = upstream
+        self._choice = choice
+        self._response = response
+        self._lines = response.aiter_lines()
+        self._closed = False
+
+    async def until_token(self) -> list[dict[str, Any]]:
+        """The stream's chunks up to the first that carries token ids (or an error)."""
+        chunks = []
+        async for line in self._lines:
+            chunk = _data(line)
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            choices = chunk.get("choices") or []
+            if "error" in chunk or (choices and (choices[0] or {}).get("token_ids")):
+                break
+        return chunks
+
+    async def drain(self) -> list[dict[str, Any]]:
+        """The chunks left, read to the end; the instance is released."""
+        chunks = []
+        try:
+            async for line in self._lines:
+                chunk = _data(line)
+                if chunk is not None:
+                    chunks.append(chunk)
+        except httpx.HTTPError as error:
+            logger.info("prefill %s: its stream's end broke off: %r", self._upstream.url, error)
+        finally:
+            await self.close()
+        return chunks
+
+    def drain_later(self) -> None:
+        task = asyncio.create_task(self.drain())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._response.aclose()
+        self._legs.prefill.release(self._upstream)
+        self._legs.prefill_ranks.finished(self._upstream.url, self._choice)
+
+
+#: Streams drained after the request went on (a reference keeps each task alive).
+_background: set[asyncio.Task] = set()
+
+
+def _data(line: str) -> dict[str, Any] | None:
+    """An event line's JSON object; None for other lines and ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:") :].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    chunk = json.loads(payload)
+    return chunk if isinstance(chunk, dict) else None
 
 
 class ContinuedLegs:
@@ -63,17 +141,26 @@ class ContinuedLegs:
         docstring of :mod:`.continuation`)."""
         trace.mode = "continued"
         trace.mark("prefill_sent")
-        prefill_upstream, prefill_response = await self.legs.fetch_prefill(
-            path, headers, continuation.prefill_body(client_body)
-        )
-        trace.mark("prefill_answered")
-        if not prefill_response.is_success:
-            return self.legs.prefill_failed(prefill_upstream, prefill_response, request_id)
-        try:
-            first = continuation.first_token(path, prefill_response.content)
-            params = self.legs.prefill_params(prefill_upstream, prefill_response)
-        except InvalidPrefillResponse as error:
-            return self.legs.invalid_prefill(prefill_upstream, path, error)
+        streamed_leg = await self._streamed_prefill(path, headers, client_body, request_id, trace)
+        if isinstance(streamed_leg, Response):
+            return streamed_leg
+        if streamed_leg is not None:
+            prefill_upstream, first, params = streamed_leg
+        else:
+            prefill_upstream, prefill_response = await self.legs.fetch_prefill(
+                path, headers, continuation.prefill_body(client_body)
+            )
+            trace.mark("prefill_answered")
+            if not prefill_response.is_success:
+                return self.legs.prefill_failed(prefill_upstream, prefill_response, request_id)
+            try:
+                first = continuation.first_token(path, prefill_response.content)
+                params = kv_transfer_params_from_prefill(prefill_response.content)
+            except InvalidPrefillResponse as error:
+                return self.legs.invalid_prefill(prefill_upstream, path, error)
+            if params is not None or first is None or not first.ends_answer(client_body):
+                # an answer its token ended holds nothing by design: no news of the address
+                self.legs.prefill_ranks.learn(prefill_upstream.url, params)
         ends_answer = first is not None and first.ends_answer(client_body)
         reason = None
         if first is None:
@@ -104,25 +191,29 @@ class ContinuedLegs:
             return JSONResponse(splice.prefill_answer(), headers={REQUEST_ID_HEADER: request_id})
         assert params is not None
         trace.transfer_id = params.get("remote_request_id")
-        trace.mark("decode_sent")
-        decode_leg = asyncio.create_task(
-            self.legs.until_answered(
-                self.legs.keep_hold(params),
-                self.legs.upstreams.open(
-                    self.legs.decode,
-                    "POST",
-                    path,
-                    headers,
-                    continuation.decode_body(client_body, first),
-                ),
+
+        def decode_leg() -> asyncio.Task:
+            trace.mark("decode_sent")
+            return asyncio.create_task(
+                self.legs.until_answered(
+                    self.legs.keep_hold(params),
+                    self.legs.upstreams.open(
+                        self.legs.decode,
+                        "POST",
+                        path,
+                        headers,
+                        continuation.decode_body(client_body, first),
+                    ),
+                )
             )
-        )
+
         if streamed:
             return self._stream(splice, decode_leg, request_id, trace)
+        leg = decode_leg()
         try:
-            decode_upstream, decode_response = await decode_leg
+            decode_upstream, decode_response = await leg
         except BaseException:
-            decode_leg.cancel()
+            leg.cancel()
             raise
         await self.legs.upstreams.read_all(self.legs.decode, decode_upstream, decode_response)
         trace.mark("decode_answered")
@@ -136,23 +227,94 @@ class ContinuedLegs:
             return error_response(502, f"decode {decode_upstream.url}: {error}", "BadGatewayError")
         return JSONResponse(answer, headers={REQUEST_ID_HEADER: request_id})
 
+    async def _streamed_prefill(
+        self,
+        path: str,
+        headers: dict[str, str],
+        client_body: dict[str, Any],
+        request_id: str,
+        trace: RequestTrace,
+    ) -> tuple[Upstream, FirstToken | None, dict[str, Any] | None] | Response | None:
+        """The prefill leg streamed, where the proxy knows where the best prefill engine serves
+        its KV (a first answer taught it; data-parallel instances are read whole instead):
+        prefill holds the KV under a transfer id of the proxy's, and its token reaches the
+        proxy as soon as it is sampled, before prefill builds its whole answer. Returns the
+        instance, its token and the params decode reads with; a response for the client when
+        prefill failed with an answer; None when the leg must go whole (the engine's address is
+        not known, or prefill did not answer at all)."""
+        legs = self.legs
+        upstream = legs.prefill.ranked()[0]
+        choice = legs.prefill_ranks.choose(upstream.url)
+        if choice.address is None or choice.dp_rank is not None:
+            return None
+        if not legs.prefill.is_healthy(upstream):
+            return None
+        transfer_id = new_transfer_id(request_id)
+        body = continuation.prefill_body(client_body, transfer_id, stream=True)
+        legs.prefill_ranks.started(upstream.url, choice)
+        try:
+            response = await legs.upstreams.open_on(
+                legs.prefill, upstream, "POST", path, choice.headers(headers), body
+            )
+        except NO_ANSWER_FAILURES as error:
+            legs.prefill_ranks.finished(upstream.url, choice)
+            legs.prefill_ranks.forget(upstream.url)
+            logger.warning(
+                "request %s: prefill %s failed before answering (%s); asking again",
+                request_id,
+                upstream.url,
+                error,
+            )
+            return None
+        except BaseException:
+            legs.prefill_ranks.finished(upstream.url, choice)
+            raise
+        reader = _PrefillStream(legs, upstream, choice, response)
+        if not response.is_success:
+            try:
+                await response.aread()
+            finally:
+                await reader.close()
+            return legs.prefill_failed(upstream, response, request_id)
+        try:
+            chunks = await reader.until_token()
+        except (httpx.HTTPError, ValueError) as error:
+            await reader.close()
+            return legs.invalid_prefill(upstream, path, error)
+        trace.mark("prefill_answered")
+        error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
+        if error is not None:
+            await reader.close()
+            return legs.invalid_prefill(upstream, path, ValueError(json.dumps(error)[:500]))
+        held = "kv_transfer_params" in body
+        held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
+        first = continuation.first_token_from_stream(path, chunks, held_at)
+        if first is not None and first.ends_answer(client_body):
+            chunks += await reader.drain()  # its usage chunk: the whole answer's usage
+            first = continuation.first_token_from_stream(path, chunks, held_at)
+        else:
+            reader.drain_later()
+        return upstream, first, first.kv_transfer_params if first is not None else held_at
+
     def _stream(
         self,
         splice: Splice,
-        decode_leg: asyncio.Task,
+        start_decode_leg: Callable[[], asyncio.Task],
         request_id: str,
         trace: RequestTrace,
     ) -> Response:
         """The client's stream of a continued request: prefill's token, then decode's events
-        rewritten by :class:`.splice.DecodeStream`; a decode leg that fails once the stream
-        began ends it with an error event."""
+        rewritten by :class:`.splice.DecodeStream`. The decode leg starts once the token is on
+        its way (nothing delays it); one that fails once the stream began ends it with an error
+        event."""
+        legs: list[asyncio.Task] = []
 
         async def events() -> AsyncIterator[bytes]:
-            for event in splice.opening_events(ends_answer=False):
-                yield event
+            yield b"".join(splice.opening_events(ends_answer=False))
             trace.mark("first_chunk")
+            legs.append(start_decode_leg())
             try:
-                upstream, response = await decode_leg
+                upstream, response = await legs[0]
             except (UpstreamUnreachable, httpx.HTTPError) as error:
                 logger.error("request %s: decode leg failed: %s", request_id, error)
                 yield error_event(f"the decode leg failed after the first token: {error}")
@@ -188,13 +350,14 @@ class ContinuedLegs:
                 raise
 
         async def close() -> None:
-            if not decode_leg.done():
-                decode_leg.cancel()
-            await asyncio.wait([decode_leg])
-            if not decode_leg.cancelled() and decode_leg.exception() is None:
-                upstream, response = decode_leg.result()
-                await response.aclose()
-                self.legs.decode.release(upstream)
+            for leg in legs:
+                if not leg.done():
+                    leg.cancel()
+                await asyncio.wait([leg])
+                if not leg.cancelled() and leg.exception() is None:
+                    upstream, response = leg.result()
+                    await response.aclose()
+                    self.legs.decode.release(upstream)
             trace.emit()
 
         return UpstreamStreamResponse(

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from ..connector.params import MAX_TRANSFER_ID_CHARS
 from .balancer import Balancer, Upstream
 from .errors import NO_ANSWER_FAILURES, error_response
 from .holds import HoldKeeper
@@ -28,6 +26,7 @@ from .payloads import (
     InvalidPrefillResponse,
     decode_body,
     kv_transfer_params_from_prefill,
+    new_transfer_id,
     overlapped_decode_params,
     overlapped_prefill_body,
     prefill_address,
@@ -193,9 +192,7 @@ class Legs:
         trace: RequestTrace,
     ) -> Response | None:
         """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
-        # Unique, and short enough for prefill to accept whatever id the client sent.
-        suffix = f"-{uuid.uuid4().hex}"
-        transfer_id = request_id[: MAX_TRANSFER_ID_CHARS - len(suffix)] + suffix
+        transfer_id = new_transfer_id(request_id)
         assert choice.address is not None
         decode_params = overlapped_decode_params(choice.address, transfer_id)
         trace.transfer_id, trace.mode = transfer_id, "overlapped"

@@ -13,7 +13,10 @@ and that id instead of block ids, and learns the block ids from prefill when it 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
+
+from ..connector.params import MAX_TRANSFER_ID_CHARS
 
 #: What tells the prefill instance to compute the prompt and hold its KV cache for a decode.
 PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -80,6 +83,13 @@ def same_endpoint(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     if a is None or b is None:
         return a is b
     return all(a[key] == b[key] for key in PREFILL_ADDRESS_KEYS if key != "remote_engine_id")
+
+
+def new_transfer_id(request_id: str) -> str:
+    """A transfer id unique per request, and short enough for prefill to accept whatever id the
+    client sent (the request id, cut short where needed, and a random suffix)."""
+    suffix = f"-{uuid.uuid4().hex}"
+    return request_id[: MAX_TRANSFER_ID_CHARS - len(suffix)] + suffix
 
 
 def overlapped_prefill_body(client_body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
