@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "configuration.md"
 sys.path.insert(0, str(REPO))
 
-from vllm_ascend_mooncake.connector.config import key_table_markdown, with_key_table  # noqa: E402
+from vllm_ascend_mooncake.connector.keys import key_table_markdown, with_key_table  # noqa: E402
 
 
 def main() -> int:

@@ -13,15 +13,24 @@ bytes checked against prefill's checksum), and prints what the check costs.
 must divide the other): the request then moves token by token, head-major blocks in vLLM CPU's
 vec packing cut through decode's staging buffer, against the same ceiling.
 
+Each timed read also counts the CPU seconds every worker process spent in it (user and system,
+all threads, from ``/proc``): ``cores`` is that over the wall time. Over TCP loopback the kernel
+copies every byte twice, so a read can keep the machine's cores busy by itself; where the
+ceiling already does, whatever CPU work a pull adds (a fix-up, row copies out of staging) adds
+wall time on top, and ``CPU-bound ratio`` (ceiling's CPU seconds over ours) is the best ratio
+that machine allows.
+
     python -m benchmarks.micro.bench_transfer [--json results.json] [--repeats 3]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from benchmarks.common import (
     add_json_arg,
@@ -30,6 +39,7 @@ from benchmarks.common import (
     make_parser,
     write_json,
 )
+from benchmarks.e2e.cpu_usage import parse_cpu_seconds
 from vllm_ascend_mooncake.core.topology import request_seed
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.testing.datapath_harness import (
@@ -39,6 +49,17 @@ from vllm_ascend_mooncake.testing.datapath_harness import (
 )
 
 TARGETS = {"homogeneous": 0.95, "heterogeneous": 0.85}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` used so far (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += parse_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 @dataclass
@@ -58,6 +79,15 @@ class Result:
     target: float
     meets_target: bool
     verify_reads: bool = False
+    #: CPU seconds all worker processes spent in our pull and in the ceiling's read
+    ours_cpu_s: float = 0.0
+    ceiling_cpu_s: float = 0.0
+    cores: float = os.cpu_count() or 1
+
+    @property
+    def cpu_bound_ratio(self) -> float:
+        """ceiling CPU / our CPU: where the ceiling keeps every core busy, our best ratio."""
+        return self.ceiling_cpu_s / self.ours_cpu_s if self.ours_cpu_s else float("nan")
 
 
 def layout_label(layout: str) -> str:
@@ -81,6 +111,7 @@ def block_tables(
 
 def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> Result:
     prefill, decode = workers
+    pids = [worker.process.pid for worker in prefill + decode]
     local_ids, remote_ids = block_tables(
         tokens, case.prefill_tokens_per_block, case.block_size, table
     )
@@ -90,6 +121,7 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> 
         decode[rank].call("setup_decode", case, rank, timeout_s=600)
     try:
         ours, fixups, ceiling, descriptors, per_rank_bytes = [], [], [], 0, 0
+        ours_cpu, ceiling_cpu = [], []
         for _ in range(repeats):
             request = RequestSpec(
                 request_id=uuid.uuid4().hex,
@@ -100,9 +132,11 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> 
             )
             for rank in range(case.prefill_tp):
                 prefill[rank].call("hold", [request])
+            cpu_before = cpu_seconds(pids)
             for rank in range(case.decode_tp):
                 decode[rank].send("pull", [request], 600.0)
             outcomes = [decode[rank].receive(900) for rank in range(case.decode_tp)]
+            ours_cpu.append(cpu_seconds(pids) - cpu_before)
             for outcome in outcomes:
                 if outcome.failed:
                     raise RuntimeError(f"pull failed: {outcome.failed}")
@@ -116,8 +150,11 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> 
             for rank in range(case.decode_tp):
                 pulls = topology.pulls_for(rank, request_seed(request.transfer_id))
                 share = {p.prefill_rank: outcomes[rank].bytes_moved // len(pulls) for p in pulls}
+                if rank == 0:
+                    cpu_before = cpu_seconds(pids)
                 decode[rank].send("ceiling_read", share)
             ceiling.append(max(decode[rank].receive(900) for rank in range(case.decode_tp)))
+            ceiling_cpu.append(cpu_seconds(pids) - cpu_before)
     finally:
         for rank in range(case.prefill_tp):
             prefill[rank].call("teardown")
@@ -142,6 +179,8 @@ def run_case(workers, case: CaseSpec, repeats: int, table: str, tokens: int) -> 
         target=TARGETS[kind],
         meets_target=ratio >= TARGETS[kind],
         verify_reads=case.verify_reads,
+        ours_cpu_s=statistics.median(ours_cpu),
+        ceiling_cpu_s=statistics.median(ceiling_cpu),
     )
 
 
@@ -252,14 +291,21 @@ def main() -> int:
                         f"(fix-up {result.fixup_s * 1e3:5.1f}), "
                         f"ceiling {result.ceiling_s * 1e3:7.1f} ms,"
                         f" ratio {result.ratio:.2f} (target {result.target:.2f}"
-                        f"{'' if result.meets_target else ', MISSED'}){cost}",
+                        f"{'' if result.meets_target else ', MISSED'}){cost}; CPU ours "
+                        f"{result.ours_cpu_s * 1e3:.0f} ms "
+                        f"({result.ours_cpu_s / result.ours_s:.2f} cores), ceiling "
+                        f"{result.ceiling_cpu_s * 1e3:.0f} ms "
+                        f"({result.ceiling_cpu_s / result.ceiling_s:.2f} cores), CPU-bound "
+                        f"ratio {result.cpu_bound_ratio:.2f}",
                         flush=True,
                     )
     finally:
         for worker in workers[0] + workers[1]:
             worker.close()
     if args.json:
-        write_json(args.json, [asdict(r) for r in results])
+        write_json(
+            args.json, [{**asdict(r), "cpu_bound_ratio": r.cpu_bound_ratio} for r in results]
+        )
     return 0
 
 

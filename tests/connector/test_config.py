@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ascend_mooncake.connector.config import SECRET_ENV, ConnectorConfigError, parse_config
+from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.keys import SECRET_ENV, ConnectorConfigError
 
 
 def config(**overrides):
@@ -167,7 +168,8 @@ def test_vllms_kv_port_field_is_read_as_the_side_channel_port(config_log) -> Non
 def test_kv_port_is_read_only_when_it_differs_from_vllms_default() -> None:
     from vllm.config import KVTransferConfig
 
-    from vllm_ascend_mooncake.connector.config import VLLM_DEFAULT_KV_PORT, explicit_kv_port
+    from vllm_ascend_mooncake.connector.keys import VLLM_DEFAULT_KV_PORT
+    from vllm_ascend_mooncake.connector.migration import explicit_kv_port
 
     def transfer(**fields):
         return KVTransferConfig(
@@ -367,7 +369,7 @@ def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
 
 
 def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
-    from vllm_ascend_mooncake.connector.config import PROTOCOLS
+    from vllm_ascend_mooncake.defaults import PROTOCOLS
 
     for protocol in PROTOCOLS:
         assert config(extra={"protocol": protocol}).protocol == protocol
@@ -378,8 +380,8 @@ def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
 
 def test_defaults_are_the_config_constants_and_the_options_defaults() -> None:
     """One definition per default: what parse_config fills in, and what the data path's option
-    dataclasses default to, are config.py's constants."""
-    from vllm_ascend_mooncake.connector import config as c
+    dataclasses default to, are the constants of defaults.py."""
+    from vllm_ascend_mooncake import defaults as c
     from vllm_ascend_mooncake.core.plan import PlanOptions
     from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
 
@@ -466,13 +468,13 @@ def test_sizes_and_waits_in_the_units_the_data_path_uses() -> None:
 
 
 def _declared(name):
-    from vllm_ascend_mooncake.connector.config import KEYS
+    from vllm_ascend_mooncake.connector.keys import KEYS
 
     return next(key for key in KEYS if key.name == name)
 
 
 def _table_checked_keys():
-    from vllm_ascend_mooncake.connector.config import KEYS
+    from vllm_ascend_mooncake.connector.keys import KEYS
 
     return [key.name for key in KEYS if not key.own_check]
 
@@ -517,7 +519,7 @@ def test_a_value_out_of_bounds_is_refused_naming_the_key_and_bound(name, value, 
 
 def test_every_bound_is_declared_on_the_keys_it_checks() -> None:
     """Every key the table checks by value has a bound, or says why not (a type says it all)."""
-    from vllm_ascend_mooncake.connector.config import KEYS
+    from vllm_ascend_mooncake.connector.keys import KEYS
 
     unbounded = {key.name for key in KEYS if key.bound is None and not key.own_check}
     assert unbounded == {
@@ -540,7 +542,8 @@ def test_values_that_meant_the_default_still_do(name) -> None:
 
 
 def test_the_declared_plain_defaults_are_what_parse_config_fills_in() -> None:
-    from vllm_ascend_mooncake.connector.config import KEYS, Computed, ConnectorConfig
+    from vllm_ascend_mooncake.connector.config import ConnectorConfig
+    from vllm_ascend_mooncake.connector.keys import KEYS, Computed
 
     fields = set(ConnectorConfig.__dataclass_fields__)
     plain = [k for k in KEYS if not isinstance(k.default, Computed) and k.name in fields]
@@ -553,3 +556,31 @@ def test_the_declared_plain_defaults_are_what_parse_config_fills_in() -> None:
             for protocol in ("tcp", "rdma", "ascend"):
                 got = getattr(config(extra=with_sizes(protocol=protocol)), key.name)
                 assert got == key.default.of_protocol(protocol), (key.name, protocol)
+
+
+def test_every_key_names_its_parts_and_each_part_is_of_its_kind() -> None:
+    """After the default, a key's parts are named where declared: a value cannot slide into
+    another's column (the ``max_descriptors_per_batch`` row once showed a default as its
+    meaning and its details as its unit)."""
+    from vllm_ascend_mooncake.connector.keys import KEYS, Key
+
+    for key in KEYS:
+        assert isinstance(key.summary, str) and key.summary.endswith("."), key.name
+        assert isinstance(key.details, str), key.name
+        assert key.unit in ("", "s", "ms", "KiB", "MiB"), (key.name, key.unit)
+    with pytest.raises(TypeError):
+        Key("positional", int, 1, "a summary given by position.")
+
+
+def test_other_connectors_keys_are_declared_with_ours() -> None:
+    """Each alias is declared on the key it is read as, once."""
+    from vllm_ascend_mooncake.connector.keys import KEYS
+    from vllm_ascend_mooncake.connector.migration import RENAMED_KEYS
+
+    aliases = [alias.name for key in KEYS for alias in key.aliases]
+    assert len(aliases) == len(set(aliases))
+    assert {name: ours for name, (ours, _) in RENAMED_KEYS.items()} == {
+        "mooncake_protocol": "protocol",
+        "use_ascend_direct": "protocol",
+        "kv_port": "side_channel_port",
+    }

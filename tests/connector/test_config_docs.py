@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_mooncake.connector.config import (
-    _KEYS,
+from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.keys import (
     KEY_TABLE_BEGIN,
     KEY_TABLE_END,
-    default_protocol,
+    KEYS_BY_NAME,
     key_table_markdown,
-    parse_config,
 )
+from vllm_ascend_mooncake.defaults import default_protocol
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -77,9 +77,9 @@ def table() -> tuple[list[str], dict[str, list[str]]]:
 
 def test_the_docs_table_lists_exactly_the_accepted_keys(table) -> None:
     documented = set(table[1])
-    accepted = set(_KEYS)
+    accepted = set(KEYS_BY_NAME)
     assert documented == accepted, (
-        f"docs/configuration.md and config._KEYS disagree: keys without a docs row: "
+        f"docs/configuration.md and config.KEYS_BY_NAME disagree: keys without a docs row: "
         f"{sorted(accepted - documented)}; docs rows for keys config.py does not accept: "
         f"{sorted(documented - accepted)}"
     )
@@ -123,7 +123,7 @@ def test_the_docs_defaults_are_the_codes(table) -> None:
     column = header.index("default")
     checked, wrong = [], []
     for key, cells in rows.items():
-        if key not in _KEYS:
+        if key not in KEYS_BY_NAME:
             continue  # the test above names it
         default = cells[column]
         if plain := re.fullmatch(_LITERAL, default):

@@ -8,8 +8,8 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from vllm_ascend_mooncake.connector.config import CONNECTOR_NAME
 from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector
+from vllm_ascend_mooncake.connector.keys import CONNECTOR_NAME
 from vllm_ascend_mooncake.connector.plugin import register
 
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from pd_checks import settled_totals
 
-from vllm_ascend_mooncake.connector.config import SECRET_ENV
+from vllm_ascend_mooncake.connector.keys import SECRET_ENV
 from vllm_ascend_mooncake.connector.params import release_target
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port

@@ -1,11 +1,12 @@
 """``kv_connector_extra_config`` and the engine config -> one validated, frozen connector config.
 
-Every key is declared once, in :data:`KEYS`: its type, default (from :mod:`..defaults`), unit,
-bound and description. :func:`parse_config` checks the keys against it, and the key table of
-``docs/configuration.md`` is generated from it (``python scripts/config_table.py --write``;
-``tests/connector/test_config_docs.py`` fails when they differ). Unknown keys, wrong types, values
-out of bounds and sizes that do not match the running engine are refused at start-up with a
-message that names the key, so a typo cannot silently fall back to a default.
+Every key is declared once, in :data:`.keys.KEYS`: its type, default (from :mod:`..defaults`),
+unit, bound, description and the other connectors' spellings of it. :func:`parse_config` checks
+the keys against it, and the key table of ``docs/configuration.md`` is generated from it
+(``python scripts/config_table.py --write``; ``tests/connector/test_config_docs.py`` fails when
+they differ). Unknown keys, wrong types, values out of bounds and sizes that do not match the
+running engine are refused at start-up with a message that names the key, so a typo cannot
+silently fall back to a default.
 
 Keys of vllm-ascend's ``MooncakeConnectorV1`` and vLLM's ``MooncakeConnector`` are read under our
 names or refused saying why before that (:mod:`.migration`, ``docs/migration.md``).
@@ -20,115 +21,27 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.topology import TopologyError, TransferTopology
-from ..defaults import (  # re-exported: callers and tests read the defaults here too
-    DEFAULT_CLAIM_PARK_S as DEFAULT_CLAIM_PARK_S,
-)
 from ..defaults import (
-    DEFAULT_CLAIM_WAIT_S as DEFAULT_CLAIM_WAIT_S,
-)
-from ..defaults import (
-    DEFAULT_COALESCE_RUNS as DEFAULT_COALESCE_RUNS,
-)
-from ..defaults import (
-    DEFAULT_DEVICE_NAME as DEFAULT_DEVICE_NAME,
-)
-from ..defaults import (
-    DEFAULT_IDLE_STEP_WAIT_MS as DEFAULT_IDLE_STEP_WAIT_MS,
-)
-from ..defaults import (
-    DEFAULT_MAX_DESCRIPTORS_PER_BATCH as DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
-)
-from ..defaults import DEFAULT_PAIR_WAIT_S
-from ..defaults import (
-    DEFAULT_PREFILL_WAIT_S as DEFAULT_PREFILL_WAIT_S,
-)
-from ..defaults import (
-    DEFAULT_PROTOCOLS as DEFAULT_PROTOCOLS,
-)
-from ..defaults import (
-    DEFAULT_READ_RETRIES as DEFAULT_READ_RETRIES,
-)
-from ..defaults import (
-    DEFAULT_RECEIVER_THREADS as DEFAULT_RECEIVER_THREADS,
-)
-from ..defaults import (
-    DEFAULT_RELEASE_TIMEOUT_S as DEFAULT_RELEASE_TIMEOUT_S,
-)
-from ..defaults import (
-    DEFAULT_SIDE_CHANNEL_PORT as DEFAULT_SIDE_CHANNEL_PORT,
-)
-from ..defaults import (
-    DEFAULT_SIDE_CHANNEL_TIMEOUT_S as DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
-)
-from ..defaults import (
-    DEFAULT_STAGING_BUFFER_MIB as DEFAULT_STAGING_BUFFER_MIB,
-)
-from ..defaults import (
-    DEFAULT_TRANSPORT as DEFAULT_TRANSPORT,
-)
-from ..defaults import (
-    FALLBACK_PROTOCOL as FALLBACK_PROTOCOL,
-)
-from ..defaults import (
-    PROTOCOLS as PROTOCOLS,
-)
-from ..defaults import (
-    READ_WAITS as READ_WAITS,
-)
-from ..defaults import (
-    TCP_BLOCK_READS_FROM_KIB as TCP_BLOCK_READS_FROM_KIB,
-)
-from ..defaults import (
-    TCP_MAX_DESCRIPTOR_KIB as TCP_MAX_DESCRIPTOR_KIB,
-)
-from ..defaults import (
-    default_block_reads_from_kib as default_block_reads_from_kib,
-)
-from ..defaults import (
-    default_max_descriptor_kib as default_max_descriptor_kib,
-)
-from ..defaults import (
-    default_protocol as default_protocol,
-)
-from ..defaults import (
-    default_read_wait as default_read_wait,
+    DEFAULT_CLAIM_PARK_S,
+    DEFAULT_IDLE_STEP_WAIT_MS,
+    DEFAULT_PAIR_WAIT_S,
+    DEFAULT_TRANSPORT,
+    FALLBACK_PROTOCOL,
+    default_protocol,
+    default_read_wait,
 )
 from ..log import get_logger
 from .keys import (
-    _KEYS,
+    CONNECTOR_NAME,
+    KEYS,
+    KEYS_BY_NAME,
+    MIN_SECRET_CHARS,
+    SECRET_ENV,
     Computed,
+    ConnectorConfigError,
     Key,
 )
-from .keys import (
-    KEY_TABLE_BEGIN as KEY_TABLE_BEGIN,
-)
-from .keys import (
-    KEY_TABLE_END as KEY_TABLE_END,
-)
-from .keys import (
-    KEYS as KEYS,
-)
-from .keys import MIN_SECRET_CHARS as MIN_SECRET_CHARS
-from .keys import SECRET_ENV as SECRET_ENV
-from .keys import key_table_markdown as key_table_markdown
-from .keys import with_key_table as with_key_table
-from .migration import (  # re-exported: callers and tests import them from here
-    CONNECTOR_NAME as CONNECTOR_NAME,
-)
-from .migration import (
-    PIPELINE_KEYS,
-    migrate_keys,
-    refuse_pipeline,
-)
-from .migration import (
-    VLLM_DEFAULT_KV_PORT as VLLM_DEFAULT_KV_PORT,
-)
-from .migration import (
-    ConnectorConfigError as ConnectorConfigError,
-)
-from .migration import (
-    explicit_kv_port as explicit_kv_port,
-)
+from .migration import PIPELINE_KEYS, explicit_kv_port, migrate_keys, refuse_pipeline
 from .params import MAX_TRANSFER_ID_CHARS
 from .vllm_compat import data_parallel_index
 
@@ -359,9 +272,9 @@ def parse_config(
     (:func:`explicit_kv_port`), read as ``side_channel_port``. ``server_dp``: this engine's
     ``(index, count)`` among those its API server fronts (:func:`server_dp_position`)."""
     extra = migrate_keys(dict(extra or {}), kv_port)
-    unknown = sorted(set(extra) - set(_KEYS))
+    unknown = sorted(set(extra) - set(KEYS_BY_NAME))
     if unknown:
-        known = ", ".join(sorted(_KEYS))
+        known = ", ".join(sorted(KEYS_BY_NAME))
         raise ConnectorConfigError(
             f"unknown kv_connector_extra_config key(s) {unknown}; known keys: {known} (keys of "
             f"other Mooncake connectors and their equivalents: docs/migration.md)"
@@ -416,7 +329,7 @@ def parse_config(
     def setting(name: str) -> Any:
         if name in given:
             return given[name]
-        default = _KEYS[name].default
+        default = KEYS_BY_NAME[name].default
         return default.of_protocol(protocol) if isinstance(default, Computed) else default
 
     settings = {name: setting(name) for name in _PLAIN_FIELDS}

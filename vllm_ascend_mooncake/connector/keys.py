@@ -1,12 +1,15 @@
-"""Every key of ``kv_connector_extra_config``, declared once: type, default, unit, bound and
-meaning. :func:`~.config.parse_config` checks given values against these declarations, and
-docs/configuration.md's key table is generated from them (``python scripts/config_table.py
---write``; ``tests/connector/test_config_docs.py`` fails while the docs differ)."""
+"""Every key of ``kv_connector_extra_config``, declared once: type, default, unit, bound,
+meaning, and the keys of other Mooncake connectors read as it. :func:`~.config.parse_config`
+checks given values against these declarations, :mod:`.migration` reads the other connectors'
+spellings from them, and docs/configuration.md's key table is generated from them (``python
+scripts/config_table.py --write``; ``tests/connector/test_config_docs.py`` fails while the docs
+differ). The lowest module of the configuration: the connector's name and the configuration's
+error type live here too."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from ..datapath.pairing import parse_endpoints
@@ -35,7 +38,20 @@ from ..defaults import (
     default_max_descriptor_kib,
     default_read_wait,
 )
-from .migration import VLLM_DEFAULT_KV_PORT, ConnectorConfigError
+
+CONNECTOR_NAME = "MooncakeHeteroConnector"
+#: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
+#: unset, so only another value is read (as ``side_channel_port``, see
+#: :func:`.migration.explicit_kv_port`).
+VLLM_DEFAULT_KV_PORT = 14579
+
+VLLM_ASCEND = "vllm-ascend's MooncakeConnectorV1"
+VLLM_MOONCAKE = "vLLM's MooncakeConnector"
+
+
+class ConnectorConfigError(ValueError):
+    """The connector configuration is invalid for this engine."""
+
 
 #: Where the side-channel secret is read from when kv_connector_extra_config does not set it
 #: (an environment variable keeps it out of command lines and process listings).
@@ -123,14 +139,60 @@ def by_protocol(of_protocol: Callable[[str], Any]) -> Computed:
     )
 
 
+def port_number(where: str, value: Any) -> int:
+    """A port given as an int, or as a decimal string (vllm-ascend's guides write ``"36000"``)."""
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConnectorConfigError(f"{where} must be a port number, got {value!r}")
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConnectorConfigError(f"{where} must be str, got {value!r}")
+    return value
+
+
+def _ascend_direct_protocol(where: str, value: Any) -> str:
+    """vllm-ascend's ``use_ascend_direct``: ``true`` gave Mooncake the plain host address (the
+    form of its ADXL/HIXL transport, with protocol ``ascend``), which is what this connector
+    always does; ``false`` chose the HCCL form ``host:0:npu_<id>``, which it cannot do."""
+    if value is True:
+        return "ascend"
+    if value is False:
+        raise ConnectorConfigError(
+            f"{where} false chose vllm-ascend's legacy HCCL transport address "
+            f"(host:0:npu_<id>), removed from vllm-ascend in December 2025 (#4547); "
+            f"{CONNECTOR_NAME} has no equivalent: it always gives Mooncake the plain host "
+            f"address, as Mooncake's ADXL/HIXL transport (built with USE_ASCEND_DIRECT) needs. "
+            f"Remove the key (protocol 'ascend' is the default on NPUs)"
+        )
+    raise ConnectorConfigError(f"{where} must be bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A key of another connector that means the same as one of ours: read under our name with
+    a warning naming the key to write instead (docs/migration.md)."""
+
+    name: str
+    origin: str
+    #: the value under our key, from the alias's value; raises naming ``where`` if unusable
+    convert: Callable[[str, Any], Any]
+    note: str = ""
+
+
 @dataclass(frozen=True)
 class Key:
-    """One key of ``kv_connector_extra_config``: how it is checked, and how the docs show it."""
+    """One key of ``kv_connector_extra_config``: how it is checked, and how the docs show it.
+    Everything after the default is named where declared (no field can be taken for another)."""
 
     name: str
     type: type
     #: the value when the key is not set: a plain value, or :class:`Computed`
     default: Any
+    _: KW_ONLY
     #: one line: what the key sets (the first sentence of its row in the docs)
     summary: str
     #: the rest of its row in the docs
@@ -147,6 +209,8 @@ class Key:
     type_markdown: str = ""
     #: the docs' allowed column, if not the bound's
     allowed: str = ""
+    #: keys of other connectors read as this one
+    aliases: tuple[Alias, ...] = ()
 
     def allowed_markdown(self) -> str:
         text = self.allowed or (
@@ -187,13 +251,14 @@ KEYS: tuple[Key, ...] = (
         "prefill",
         dict,
         Computed("the local TP, DP 1"),
-        "sizes of the prefill instance.",
-        "The local side's values must equal the engine's own "
-        "`--tensor-parallel-size` / `--data-parallel-size`. A data-parallel prefill must "
-        "declare its `dp_size`: vLLM runs each engine of a dense model as an independent DP 1 "
-        "engine, so the connector learns the engine's rank from vLLM but the number of engines "
-        "only from here (an engine beyond `dp_size` is refused at start-up, since it would share "
-        "another's side-channel ports).",
+        summary="sizes of the prefill instance.",
+        details=(
+            "The local side's values must equal the engine's own `--tensor-parallel-size` / "
+            "`--data-parallel-size`. A data-parallel prefill must declare its `dp_size`: vLLM runs "
+            "each engine of a dense model as an independent DP 1 engine, so the connector learns "
+            "the engine's rank from vLLM but the number of engines only from here (an engine beyond"
+            " `dp_size` is refused at start-up, since it would share another's side-channel ports)."
+        ),
         own_check=True,
         type_markdown='`{"tp_size": int, "dp_size": int}`',
         allowed=_SIZES_ALLOWED,
@@ -202,13 +267,15 @@ KEYS: tuple[Key, ...] = (
         "decode",
         dict,
         Computed("the local TP, DP 1"),
-        "sizes of the decode instance.",
-        "The remote side's size is the one expected, not the only one served: a decode "
-        "instance reads prefill instances of any TP size it can pair with (each request's "
-        "params name its prefill's), and a prefill instance serves decode instances of any TP "
-        "size it can pair with (learned from the first claim of each transfer), except a "
-        "prefill that replicates KV heads (TP larger than the head count), which serves its "
-        "`decode.tp_size` only. The `prefill` sizes must still agree for `dp_size`.",
+        summary="sizes of the decode instance.",
+        details=(
+            "The remote side's size is the one expected, not the only one served: a decode instance"
+            " reads prefill instances of any TP size it can pair with (each request's params name "
+            "its prefill's), and a prefill instance serves decode instances of any TP size it can "
+            "pair with (learned from the first claim of each transfer), except a prefill that "
+            "replicates KV heads (TP larger than the head count), which serves its `decode.tp_size`"
+            " only. The `prefill` sizes must still agree for `dp_size`."
+        ),
         own_check=True,
         type_markdown="same",
         allowed=_SIZES_ALLOWED,
@@ -217,27 +284,33 @@ KEYS: tuple[Key, ...] = (
         "transport",
         str,
         DEFAULT_TRANSPORT,
-        "what moves the KV bytes between instances.",
-        "Only the Mooncake Transfer Engine today; the data path reaches it through one seam "
-        "(`datapath/transport.py`), where another would be added.",
+        summary="what moves the KV bytes between instances.",
+        details=(
+            "Only the Mooncake Transfer Engine today; the data path reaches it through one seam "
+            "(`datapath/transport.py`), where another would be added."
+        ),
         bound=one_of(TRANSPORTS),
     ),
     Key(
         "protocol",
         str,
         _BY_DEVICE,
-        "Mooncake transport.",
-        "With `tcp`, `MC_FORCE_TCP=1` is set unless you set it.",
+        summary="Mooncake transport.",
+        details="With `tcp`, `MC_FORCE_TCP=1` is set unless you set it.",
         bound=one_of(
             PROTOCOLS,
             "{where} {value!r} is not a Mooncake transport (" + ", ".join(PROTOCOLS) + ")",
+        ),
+        aliases=(
+            Alias("mooncake_protocol", VLLM_MOONCAKE, _string),
+            Alias("use_ascend_direct", VLLM_ASCEND, _ascend_direct_protocol),
         ),
     ),
     Key(
         "device_name",
         str,
         DEFAULT_DEVICE_NAME,
-        "Mooncake NIC/device list (`mlx5_0,mlx5_1`); empty = auto.",
+        summary="Mooncake NIC/device list (`mlx5_0,mlx5_1`); empty = auto.",
     ),
     Key(
         "side_channel_host",
@@ -246,20 +319,24 @@ KEYS: tuple[Key, ...] = (
             "`$VLLM_HOST_IP`, else the host's address as vLLM picks it (`get_ip()`), else "
             "`127.0.0.1`"
         ),
-        "address workers listen on and advertise (the KV side channel and Mooncake).",
-        "Decode connects to the one prefill advertises; a decode instance with a network "
-        "address warns once per prefill that advertises loopback (a multi-host deployment whose "
-        "prefill kept a loopback setting).",
+        summary="address workers listen on and advertise (the KV side channel and Mooncake).",
+        details=(
+            "Decode connects to the one prefill advertises; a decode instance with a network "
+            "address warns once per prefill that advertises loopback (a multi-host deployment whose"
+            " prefill kept a loopback setting)."
+        ),
     ),
     Key(
         "side_channel_port",
         int,
         DEFAULT_SIDE_CHANNEL_PORT,
-        "base port of the prefill side channel: prefill DP rank `d`, TP rank `r` listens on "
-        "`port + d*tp_size + r`.",
-        "The ports of every prefill worker must lie below 65536. Only prefill listens, so only "
-        "prefill needs it: decode has no port of its own and takes the prefill's host and base "
-        "port from the `remote_host` and `remote_port` of the `kv_transfer_params` the proxy "
+        summary=(
+            "base port of the prefill side channel: prefill DP rank `d`, TP rank `r` listens on "
+            "`port + d*tp_size + r`."
+        ),
+        details="The ports of every prefill worker must lie below 65536. Only prefill listens, so "
+        "only prefill needs it: decode has no port of its own and takes the prefill's host and "
+        "base port from the `remote_host` and `remote_port` of the `kv_transfer_params` the proxy "
         "forwards (the base port of the prefill's DP rank), adding the prefill TP rank it reads. "
         "On decode the value is only range-checked. vLLM's top-level "
         "`kv_transfer_config.kv_port` (what vllm-ascend uses for this) is read as "
@@ -268,26 +345,45 @@ KEYS: tuple[Key, ...] = (
         "TCP ports (15000\N{EN DASH}17000) and, on Ascend, of ADXL's range "
         "(20000 + 1000·NPUs per node).",
         bound=PORT,
+        # vllm-ascend reads kv_port from kv_transfer_config (migration.explicit_kv_port); one
+        # copied into the extra config is read the same way. There it is the base port of
+        # prefill's side channel: DP rank d, TP rank r listens on kv_port + d*tp_size + r.
+        aliases=(
+            Alias(
+                "kv_port",
+                VLLM_ASCEND,
+                port_number,
+                "only prefill listens on it; decode takes the prefill's port from "
+                "kv_transfer_params",
+            ),
+        ),
     ),
     Key(
         "prefill_side_channels",
         str,
         "",
-        "decode only: the prefill instances this decode instance reads, as their "
-        "`side_channel_host:side_channel_port`; decode pairs with every worker of each at "
-        "start-up.",
-        "A prefill it cannot read (another model or dtype, block sizes neither dividing the "
-        "other, TP sizes that do not pair, ...) stops decode's start-up with the reason and "
-        "what to change, instead of failing its first request with HTTP 500; one that does "
-        "not answer within `pair_wait_s` is paired on its first request (warning). Empty: "
-        "every prefill is paired on its first request. Prefills not listed are still served.",
+        summary=(
+            "decode only: the prefill instances this decode instance reads, as their "
+            "`side_channel_host:side_channel_port`; decode pairs with every worker of each at "
+            "start-up."
+        ),
+        details=(
+            "A prefill it cannot read (another model or dtype, block sizes neither dividing the "
+            "other, TP sizes that do not pair, ...) stops decode's start-up with the reason and "
+            "what to change, instead of failing its first request with HTTP 500; one that does not "
+            "answer within `pair_wait_s` is paired on its first request (warning). Empty: every "
+            "prefill is paired on its first request. Prefills not listed are still served."
+        ),
         bound=ENDPOINTS,
     ),
     Key(
         "pair_wait_s",
         float,
         DEFAULT_PAIR_WAIT_S,
-        "how long decode's start-up waits for each prefill of `prefill_side_channels` to answer.",
+        summary=(
+            "how long decode's start-up waits for each prefill of `prefill_side_channels` to "
+            "answer."
+        ),
         unit="s",
         bound=POSITIVE,
     ),
@@ -295,9 +391,14 @@ KEYS: tuple[Key, ...] = (
         "release_timeout_s",
         float,
         DEFAULT_RELEASE_TIMEOUT_S,
-        "prefill releases the blocks of a request no decode rank finished reading after this long.",
-        "Read leases renew it, but a transfer is never held longer than "
-        "4 \N{MULTIPLICATION SIGN} `release_timeout_s` in all, however often it is claimed.",
+        summary=(
+            "prefill releases the blocks of a request no decode rank finished reading after this "
+            "long."
+        ),
+        details=(
+            "Read leases renew it, but a transfer is never held longer than "
+            "4 \N{MULTIPLICATION SIGN} `release_timeout_s` in all, however often it is claimed."
+        ),
         unit="s",
         bound=POSITIVE,
     ),
@@ -305,7 +406,7 @@ KEYS: tuple[Key, ...] = (
         "side_channel_timeout_s",
         float,
         DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
-        "timeout of one side-channel exchange (metadata fetch, read-done notification).",
+        summary="timeout of one side-channel exchange (metadata fetch, read-done notification).",
         unit="s",
         bound=POSITIVE,
     ),
@@ -313,23 +414,29 @@ KEYS: tuple[Key, ...] = (
         "side_channel_secret",
         str,
         Computed(f"`${SECRET_ENV}`, else none"),
-        f"a secret shared by prefill and decode (at least {MIN_SECRET_CHARS} characters): every "
-        "side-channel message then carries an HMAC-SHA256 of its bytes.",
-        "A peer without the secret is refused with a log line naming the setting. Prefer the "
-        "environment variable: vLLM logs `kv_connector_extra_config` at start-up. It "
-        "authenticates, it does not encrypt.",
+        summary=f"a secret shared by prefill and decode (at least {MIN_SECRET_CHARS} "
+        "characters): every side-channel message then carries an HMAC-SHA256 of its bytes.",
+        details=(
+            "A peer without the secret is refused with a log line naming the setting. Prefer the "
+            "environment variable: vLLM logs `kv_connector_extra_config` at start-up. It "
+            "authenticates, it does not encrypt."
+        ),
         allowed=f'at least {MIN_SECRET_CHARS} characters; `""`: none',
     ),
     Key(
         "claim_wait_s",
         float,
         DEFAULT_CLAIM_WAIT_S,
-        "before reading, decode claims a read lease from each prefill rank; a rank that has not "
-        "registered the request yet (it learns of it one engine step after answering) is asked "
-        "again for up to this long.",
-        "A rank that already released the request refuses, so a late read never sees reused "
-        "blocks. The lease lasts `release_timeout_s` and is renewed before reading when half of "
-        "it has passed; bytes read after the lease ended are discarded.",
+        summary=(
+            "before reading, decode claims a read lease from each prefill rank; a rank that has not"
+            " registered the request yet (it learns of it one engine step after answering) is asked"
+            " again for up to this long."
+        ),
+        details=(
+            "A rank that already released the request refuses, so a late read never sees reused "
+            "blocks. The lease lasts `release_timeout_s` and is renewed before reading when half of"
+            " it has passed; bytes read after the lease ended are discarded."
+        ),
         unit="s",
         bound=POSITIVE,
     ),
@@ -337,9 +444,11 @@ KEYS: tuple[Key, ...] = (
         "prefill_wait_s",
         float,
         DEFAULT_PREFILL_WAIT_S,
-        "the same wait for a request whose decode leg was sent alongside its prefill (the "
-        'proxy\'s overlapped legs): the lease is "pending" until prefill is done.',
-        f"Prefill holds a pending claim open (up to {DEFAULT_CLAIM_PARK_S:g} s, or half of "
+        summary=(
+            "the same wait for a request whose decode leg was sent alongside its prefill (the "
+            'proxy\'s overlapped legs): the lease is "pending" until prefill is done.'
+        ),
+        details=f"Prefill holds a pending claim open (up to {DEFAULT_CLAIM_PARK_S:g} s, or half of "
         "`side_channel_timeout_s`, at a time) and answers it the moment it registers the "
         "request, so decode neither polls nor waits longer than needed. A prefill request that "
         "is aborted refuses the lease at once.",
@@ -350,27 +459,32 @@ KEYS: tuple[Key, ...] = (
         "read_retries",
         int,
         DEFAULT_READ_RETRIES,
-        "extra attempts, with a short backoff, for a batched read that failed (transient "
-        "transport errors).",
+        summary=(
+            "extra attempts, with a short backoff, for a batched read that failed (transient "
+            "transport errors)."
+        ),
         bound=NON_NEGATIVE,
     ),
     Key(
         "max_descriptors_per_batch",
         int,
         DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
-        DEFAULT_PAIR_WAIT_S,
-        "cap on descriptors per read call.",
-        "Mooncake's TCP transport rejects batches past about 2,000 outstanding descriptors per "
-        "peer.",
+        summary="cap on descriptors per read call.",
+        details=(
+            "Mooncake's TCP transport rejects batches past about 2,000 outstanding descriptors per "
+            "peer."
+        ),
         bound=POSITIVE,
     ),
     Key(
         "max_descriptor_kib",
         int,
         by_protocol(default_max_descriptor_kib),
-        "split descriptors larger than this many KiB (0: never).",
-        "Mooncake's TCP transport moves ~1 MiB descriptors faster than much larger ones; RDMA "
-        "slices large ones itself. A negative value is read as the default, not refused.",
+        summary="split descriptors larger than this many KiB (0: never).",
+        details=(
+            "Mooncake's TCP transport moves ~1 MiB descriptors faster than much larger ones; RDMA "
+            "slices large ones itself. A negative value is read as the default, not refused."
+        ),
         unit="KiB",
         bound=NON_NEGATIVE,
         as_default=Bound("< 0", lambda value: value < 0),
@@ -379,19 +493,25 @@ KEYS: tuple[Key, ...] = (
         "coalesce_runs",
         bool,
         DEFAULT_COALESCE_RUNS,
-        "run-level coalescing for heterogeneous TP: one descriptor per block run and pull, "
-        "followed by a local permutation.",
-        "`false` reads block by block (no permutation for head-major caches).",
+        summary=(
+            "run-level coalescing for heterogeneous TP: one descriptor per block run and pull, "
+            "followed by a local permutation."
+        ),
+        details="`false` reads block by block (no permutation for head-major caches).",
     ),
     Key(
         "block_reads_from_kib",
         int,
         by_protocol(default_block_reads_from_kib),
-        "head-major merges (prefill TP > decode TP) read block by block, with no local "
-        "permutation, when a prefill block is at least this many KiB (0: never).",
-        "Over TCP per-block reads of 256 KiB blocks beat run-level coalescing plus its "
-        "permutation, 128 KiB blocks did not (see benchmarks/README.md); smaller blocks stay "
-        "coalesced. A negative value is read as the default, not refused.",
+        summary=(
+            "head-major merges (prefill TP > decode TP) read block by block, with no local "
+            "permutation, when a prefill block is at least this many KiB (0: never)."
+        ),
+        details=(
+            "Over TCP per-block reads of 256 KiB blocks beat run-level coalescing plus its "
+            "permutation, 128 KiB blocks did not (see benchmarks/README.md); smaller blocks stay "
+            "coalesced. A negative value is read as the default, not refused."
+        ),
         unit="KiB",
         bound=NON_NEGATIVE,
         as_default=Bound("< 0", lambda value: value < 0),
@@ -400,32 +520,40 @@ KEYS: tuple[Key, ...] = (
         "verify_reads",
         bool,
         False,
-        "decode only: check every read batch end to end before the pull is reported: decode "
-        "compares the checksum of the bytes that landed with prefill's checksum of the bytes it "
-        "serves.",
-        "A mismatch (corruption in flight, bytes that landed elsewhere, blocks changed under the "
-        "read) fails the pull, counted and logged, instead of loading wrong KV. It costs a "
-        "side-channel round trip per batch and a checksum pass over the bytes on both sides, "
-        "on the KV's own device (benchmarks/README.md); both sides must run a version that "
-        "knows it.",
+        summary=(
+            "decode only: check every read batch end to end before the pull is reported: decode "
+            "compares the checksum of the bytes that landed with prefill's checksum of the bytes it"
+            " serves."
+        ),
+        details=(
+            "A mismatch (corruption in flight, bytes that landed elsewhere, blocks changed under "
+            "the read) fails the pull, counted and logged, instead of loading wrong KV. It costs a "
+            "side-channel round trip per batch and a checksum pass over the bytes on both sides, on"
+            " the KV's own device (benchmarks/README.md); both sides must run a version that knows "
+            "it."
+        ),
     ),
     Key(
         "receiver_threads",
         int,
         DEFAULT_RECEIVER_THREADS,
-        "decode threads issuing reads; different prefill peers are read in parallel, one peer "
-        "in order.",
+        summary=(
+            "decode threads issuing reads; different prefill peers are read in parallel, one peer "
+            "in order."
+        ),
         bound=POSITIVE,
     ),
     Key(
         "staging_buffer_mib",
         int,
         DEFAULT_STAGING_BUFFER_MIB,
-        "decode staging buffer, allocated only when a decode rank can read a slice of "
-        "token-major prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache) or "
-        "prefill blocks of another size from a head-major cache of known packing (vLLM CPU), "
-        "which are cut by token through it. It is split into up to 4 areas of at least 32 MiB, "
-        "one per request in flight; prefill ranks a request reads in parallel share its area.",
+        summary=(
+            "decode staging buffer, allocated only when a decode rank can read a slice of token-"
+            "major prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache) or prefill "
+            "blocks of another size from a head-major cache of known packing (vLLM CPU), which are "
+            "cut by token through it. It is split into up to 4 areas of at least 32 MiB, one per "
+            "request in flight; prefill ranks a request reads in parallel share its area."
+        ),
         unit="MiB",
         bound=POSITIVE,
     ),
@@ -433,9 +561,12 @@ KEYS: tuple[Key, ...] = (
         "read_wait",
         str,
         by_protocol(default_read_wait),
-        "how a read waits for Mooncake: `poll` submits one asynchronous batch per descriptor and "
-        "sleeps between status checks; `sync` is Mooncake's `batch_transfer_sync_read`, which "
-        "keeps a core spinning per read in flight (see docs/deployment.md, small CPU hosts).",
+        summary=(
+            "how a read waits for Mooncake: `poll` submits one asynchronous batch per descriptor "
+            "and sleeps between status checks; `sync` is Mooncake's `batch_transfer_sync_read`, "
+            "which keeps a core spinning per read in flight (see docs/deployment.md, small CPU "
+            "hosts)."
+        ),
         bound=one_of(READ_WAITS),
         as_default=Bound('""', lambda value: value == "", '`""`'),
     ),
@@ -443,13 +574,17 @@ KEYS: tuple[Key, ...] = (
         "idle_step_wait_ms",
         float,
         DEFAULT_IDLE_STEP_WAIT_MS,
-        "in an engine step that runs no tokens (a decode request only waiting for its KV, "
-        "prefill only holding blocks for readers), how long each worker waits for a transfer to "
-        "end before the step returns; a transfer that ends wakes it at once.",
-        "Longer waits mean fewer such steps and less CPU (0.5 cores at 10 ms, 0.17 at 50 ms for "
-        "one waiting decode request on a 2-core host), but a request arriving meanwhile waits "
-        "for the step to end. Raise it (e.g. 50) where prefill and decode share cores "
-        "(docs/deployment.md).",
+        summary=(
+            "in an engine step that runs no tokens (a decode request only waiting for its KV, "
+            "prefill only holding blocks for readers), how long each worker waits for a transfer to"
+            " end before the step returns; a transfer that ends wakes it at once."
+        ),
+        details=(
+            "Longer waits mean fewer such steps and less CPU (0.5 cores at 10 ms, 0.17 at 50 ms for"
+            " one waiting decode request on a 2-core host), but a request arriving meanwhile waits "
+            "for the step to end. Raise it (e.g. 50) where prefill and decode share cores "
+            "(docs/deployment.md)."
+        ),
         unit="ms",
         bound=POSITIVE,
     ),
@@ -457,12 +592,14 @@ KEYS: tuple[Key, ...] = (
         "ascend_local_comm_res_path",
         str,
         Computed("none"),
-        "not read by this connector: vllm-ascend's NPU worker reads it on A5 machines (the "
-        "directory of its `ub_endpoint_npu_*.json` files) from `kv_connector_extra_config`, "
-        "whichever connector runs, so it is accepted and passed through.",
+        summary=(
+            "not read by this connector: vllm-ascend's NPU worker reads it on A5 machines (the "
+            "directory of its `ub_endpoint_npu_*.json` files) from `kv_connector_extra_config`, "
+            "whichever connector runs, so it is accepted and passed through."
+        ),
     ),
 )
-_KEYS: dict[str, Key] = {key.name: key for key in KEYS}
+KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 
 #: The markers around the generated key table in docs/configuration.md.
 KEY_TABLE_BEGIN = "<!-- keys:begin: generated, run python scripts/config_table.py --write -->"

@@ -1,35 +1,29 @@
 """Keys of other Mooncake connectors, read under our names or refused saying why.
 
 vllm-ascend's ``MooncakeConnectorV1`` and vLLM's ``MooncakeConnector`` are configured with keys
-of their own. Those that mean the same as one of ours are read under our name with a warning
-naming the key to write instead; those with no equivalent are refused with the reason
-(``docs/migration.md``). :func:`migrate_keys` does this before :mod:`.config` validates the keys.
-
-The configuration's error type and the connector's name are defined here, the lowest module of
-the configuration, and re-exported by :mod:`.config`, where callers import them from.
+of their own. Those that mean the same as one of ours are declared with our key (its
+``aliases`` in :data:`.keys.KEYS`) and read under our name with a warning naming the key to
+write instead; those with no equivalent are refused with the reason (``docs/migration.md``).
+:func:`migrate_keys` does this before :mod:`.config` validates the keys.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..log import get_logger
-
-CONNECTOR_NAME = "MooncakeHeteroConnector"
-#: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
-#: unset, so only another value is read (as ``side_channel_port``, see :func:`explicit_kv_port`).
-VLLM_DEFAULT_KV_PORT = 14579
-
-VLLM_ASCEND = "vllm-ascend's MooncakeConnectorV1"
-VLLM_MOONCAKE = "vLLM's MooncakeConnector"
-
-
-class ConnectorConfigError(ValueError):
-    """The connector configuration is invalid for this engine."""
+from .keys import (
+    CONNECTOR_NAME,
+    KEYS,
+    VLLM_ASCEND,
+    VLLM_DEFAULT_KV_PORT,
+    VLLM_MOONCAKE,
+    Alias,
+    ConnectorConfigError,
+    port_number,
+)
 
 
 def _log() -> logging.Logger:
@@ -37,62 +31,10 @@ def _log() -> logging.Logger:
     return get_logger(__name__)
 
 
-def _port_number(where: str, value: Any) -> int:
-    """A port given as an int, or as a decimal string (vllm-ascend's guides write ``"36000"``)."""
-    if isinstance(value, str) and value.strip().isdecimal():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConnectorConfigError(f"{where} must be a port number, got {value!r}")
-
-
-def _string(where: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConnectorConfigError(f"{where} must be str, got {value!r}")
-    return value
-
-
-def _ascend_direct_protocol(where: str, value: Any) -> str:
-    """vllm-ascend's ``use_ascend_direct``: ``true`` gave Mooncake the plain host address (the
-    form of its ADXL/HIXL transport, with protocol ``ascend``), which is what this connector
-    always does; ``false`` chose the HCCL form ``host:0:npu_<id>``, which it cannot do."""
-    if value is True:
-        return "ascend"
-    if value is False:
-        raise ConnectorConfigError(
-            f"{where} false chose vllm-ascend's legacy HCCL transport address "
-            f"(host:0:npu_<id>), removed from vllm-ascend in December 2025 (#4547); "
-            f"{CONNECTOR_NAME} has no equivalent: it always gives Mooncake the plain host "
-            f"address, as Mooncake's ADXL/HIXL transport (built with USE_ASCEND_DIRECT) needs. "
-            f"Remove the key (protocol 'ascend' is the default on NPUs)"
-        )
-    raise ConnectorConfigError(f"{where} must be bool, got {value!r}")
-
-
-@dataclass(frozen=True)
-class _Renamed:
-    """A key of another connector that means the same as one of ours."""
-
-    ours: str
-    origin: str
-    #: the value under our key, from the old key's value; raises naming ``where`` if unusable
-    convert: Callable[[str, Any], Any]
-    note: str = ""
-
-
-#: Read under our name, with a warning naming the key to write instead (docs/migration.md).
-RENAMED_KEYS: dict[str, _Renamed] = {
-    "mooncake_protocol": _Renamed("protocol", VLLM_MOONCAKE, _string),
-    "use_ascend_direct": _Renamed("protocol", VLLM_ASCEND, _ascend_direct_protocol),
-    # vllm-ascend reads kv_port from kv_transfer_config (explicit_kv_port); one copied into the
-    # extra config is read the same way. There it is the base port of prefill's side channel:
-    # DP rank d, TP rank r listens on kv_port + d*tp_size + r (with PP and PCP 1, as here).
-    "kv_port": _Renamed(
-        "side_channel_port",
-        VLLM_ASCEND,
-        _port_number,
-        note="only prefill listens on it; decode takes the prefill's port from kv_transfer_params",
-    ),
+#: Other connectors' keys -> (our key, how it is read), from the aliases :data:`.keys.KEYS`
+#: declares.
+RENAMED_KEYS: dict[str, tuple[str, Alias]] = {
+    alias.name: (key.name, alias) for key in KEYS for alias in key.aliases
 }
 
 #: Keys of other connectors with no equivalent here: refused, saying why (docs/migration.md).
@@ -124,7 +66,7 @@ def explicit_kv_port(kv_transfer_config: Any) -> int | None:
     port = getattr(kv_transfer_config, "kv_port", None)
     if port is None or port == VLLM_DEFAULT_KV_PORT:
         return None
-    return _port_number("kv_transfer_config.kv_port", port)
+    return port_number("kv_transfer_config.kv_port", port)
 
 
 def migrate_keys(extra: dict[str, Any], kv_port: int | None) -> dict[str, Any]:
@@ -142,18 +84,15 @@ def migrate_keys(extra: dict[str, Any], kv_port: int | None) -> dict[str, Any]:
     old_spellings: dict[str, list[tuple[str, Any, str]]] = {}
     for key, value in extra.items():
         if key in RENAMED_KEYS:
-            renamed = RENAMED_KEYS[key]
-            where = f"kv_connector_extra_config[{key!r}] ({renamed.origin})"
-            old_spellings.setdefault(renamed.ours, []).append(
-                (where, renamed.convert(where, value), renamed.note)
+            ours, alias = RENAMED_KEYS[key]
+            where = f"kv_connector_extra_config[{key!r}] ({alias.origin})"
+            old_spellings.setdefault(ours, []).append(
+                (where, alias.convert(where, value), alias.note)
             )
     if kv_port is not None:
-        old_spellings.setdefault("side_channel_port", []).append(
-            (
-                f"kv_transfer_config.kv_port ({VLLM_ASCEND})",
-                kv_port,
-                RENAMED_KEYS["kv_port"].note,
-            )
+        ours, alias = RENAMED_KEYS["kv_port"]
+        old_spellings.setdefault(ours, []).append(
+            (f"kv_transfer_config.kv_port ({alias.origin})", kv_port, alias.note)
         )
     for ours, old in old_spellings.items():
         target = f"kv_connector_extra_config[{ours!r}]"

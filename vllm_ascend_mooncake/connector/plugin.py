@@ -10,7 +10,7 @@ Loading in every process is also where :mod:`.busy_wait` applies its opt-in sett
 from __future__ import annotations
 
 from .busy_wait import apply_from_env
-from .config import CONNECTOR_NAME
+from .keys import CONNECTOR_NAME
 
 CONNECTOR_MODULE = "vllm_ascend_mooncake.connector"
 

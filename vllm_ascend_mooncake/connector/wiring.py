@@ -26,7 +26,7 @@ from ..datapath.sender import PrefillSender, SendTracker
 from ..datapath.side_channel import SideChannelClient
 from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError
 from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
-from ..defaults import MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
+from ..defaults import DEFAULT_SIDE_CHANNEL_TIMEOUT_S, MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +68,7 @@ class PrefillSettings:
 class DecodeSettings:
     receiver: ReceiverOptions = field(default_factory=ReceiverOptions)
     staging_bytes: int = 0  # 0: no staging buffer (no pull of this topology can need one)
-    side_channel_timeout_s: float = 10.0
+    side_channel_timeout_s: float = DEFAULT_SIDE_CHANNEL_TIMEOUT_S
     secret: bytes | None = None
 
 

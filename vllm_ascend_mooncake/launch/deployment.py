@@ -27,7 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..connector.config import CONNECTOR_NAME
+from ..connector.keys import CONNECTOR_NAME
+from ..defaults import DEFAULT_RELEASE_TIMEOUT_S
 from .ports import free_port, free_port_range
 from .servers import (
     ServerError,
@@ -69,7 +70,7 @@ class DeploymentSpec:
     #: the prefill instance's block size where it differs from decode's (``block_size``)
     prefill_block_size: int | None = None
     max_model_len: int = 512
-    release_timeout_s: float = 120.0
+    release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S
     # vLLM's kv_load_failure_policy on decode: "fail" (error the request) or "recompute".
     decode_failure_policy: str = "fail"
     # Fix the prefill engine id (vLLM draws a random one), e.g. to restart it under the same id.

@@ -65,8 +65,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ..connector.config import CONNECTOR_NAME, config_from_vllm
+from ..connector.config import config_from_vllm
 from ..connector.facade import MooncakeHeteroConnector, StepMetadata
+from ..connector.keys import CONNECTOR_NAME
 from ..connector.params import RemotePrefill, parse_remote_prefill
 from ..core.topology import Topologies
 from ..datapath.orders import StepOrders
