@@ -105,8 +105,9 @@ def test_two_hosts_answer_like_colocated_over_a_fast_and_a_slow_link(tmp_path) -
                     "relayed_kib": relayed / 1024,
                 }
             assert_clean_transfers(pd, requests=len(ALL_PROMPTS))
-            # Decode opened every connection across the link (docs/deployment.md's firewall
-            # table): nothing on the prefill host connected to the decode host.
+            # Decode opened every connection across the link (the firewall table of
+            # docs/deploy-several-hosts.md): nothing on the prefill host connected to the decode
+            # host.
             destinations = network.relay_stats()["destinations"]
             assert destinations, "nothing crossed the link"
             assert all(not d.startswith(f"{network.decode.address}:") for d in destinations), (

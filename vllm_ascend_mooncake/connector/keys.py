@@ -564,8 +564,8 @@ KEYS: tuple[Key, ...] = (
         summary=(
             "how a read waits for Mooncake: `poll` submits one asynchronous batch per descriptor "
             "and sleeps between status checks; `sync` is Mooncake's `batch_transfer_sync_read`, "
-            "which keeps a core spinning per read in flight (see docs/deployment.md, small CPU "
-            "hosts)."
+            "which keeps a core spinning per read in flight (see docs/deploy-single-host.md, small "
+            "CPU hosts)."
         ),
         bound=one_of(READ_WAITS),
         as_default=Bound('""', lambda value: value == "", '`""`'),
@@ -583,7 +583,7 @@ KEYS: tuple[Key, ...] = (
             "Longer waits mean fewer such steps and less CPU (0.5 cores at 10 ms, 0.17 at 50 ms for"
             " one waiting decode request on a 2-core host), but a request arriving meanwhile waits "
             "for the step to end. Raise it (e.g. 50) where prefill and decode share cores "
-            "(docs/deployment.md)."
+            "(docs/deploy-single-host.md)."
         ),
         unit="ms",
         bound=POSITIVE,

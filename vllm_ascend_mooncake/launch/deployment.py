@@ -83,7 +83,7 @@ class DeploymentSpec:
     proxy_args: tuple[str, ...] = ()  # e.g. ("--serial-legs",)
     # Both instances share this host's cores: a step that runs no tokens waits longer for a
     # transfer, so an instance whose requests only wait for KV takes less CPU from the other's
-    # forward (docs/deployment.md, "sharing cores"); the connector's default is 10 ms.
+    # forward (docs/deploy-single-host.md, "sharing cores"); the connector's default is 10 ms.
     idle_step_wait_ms: float = 50.0
     #: Decode pairs with the deployment's prefill at start-up (``prefill_side_channels``), so an
     #: incompatible pair stops decode's start-up instead of failing its first request.
