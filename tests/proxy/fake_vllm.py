@@ -127,6 +127,8 @@ class FakeVllm:
         self.generates = False
         #: The engine ignores ``kv_transfer_params["prompt_token_ids"]`` (vLLM before 0.30).
         self.ignores_prompt_token_ids = False
+        #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
+        self.says_chat_prompt_ids = True
         #: Continuations this instance was asked for that did not continue prefill's hold.
         self.bad_continuations: list[str] = []
         self.engine = TinyEngine()
@@ -167,6 +169,7 @@ class FakeVllm:
             "remote_tp_size": 1,
             "remote_block_ids": [3, 1, 4],
             "remote_num_tokens": 70,
+            "remote_chat_prompt_ids": self.says_chat_prompt_ids,
         }
         if self.dp_size > 1:  # each engine: its own id (vLLM appends _dp<rank>) and ports
             params["remote_engine_id"] += f"_dp{dp_rank}"

@@ -349,6 +349,23 @@ def test_a_chat_decode_that_ignores_the_prompt_token_ids_fails_the_request_visib
     assert streamed[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_chat_requests_keep_decodes_first_token_where_vllm_cannot_take_prompt_ids(
+    engines: Engines, proxy: httpx.Client, streamed: bool
+) -> None:
+    """A prefill that says its vLLM (0.23) renders chat messages itself: its decode, the same
+    release, could not continue from forwarded prompt ids, so decode samples the first token."""
+    engines.prefill.says_chat_prompt_ids = False
+    engines.decode.ignores_prompt_token_ids = True
+    body = body_for(CHAT, stream=streamed)
+    for _ in range(2):  # a whole prefill leg, then a streamed one
+        same_answer(CHAT, proxy.post(CHAT, json=body), colocated(engines, CHAT, body), streamed)
+    for decode_leg in engines.decode.generation_requests():
+        assert "prompt_token_ids" not in decode_leg.body["kv_transfer_params"]
+    metrics = proxy.get("/metrics").text
+    assert 'reason="chat on vLLM before 0.30"} 2.0' in metrics
+
+
 def test_a_decode_error_after_the_first_token_ends_the_stream_with_it(
     engines: Engines, proxy: httpx.Client
 ) -> None:

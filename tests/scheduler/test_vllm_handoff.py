@@ -176,6 +176,7 @@ def test_decode_continues_from_prefills_token_reading_every_prompt_token(
     assert done is not None and done.finish_reason == FinishReason.LENGTH
     params = payloads.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
     assert params["remote_output_token_ids"] == [77]
+    assert params["remote_chat_prompt_ids"] is True  # vLLM 0.30+ (this tier runs 0.30-0.34)
     (hold,) = p.step().orders.holds
     assert hold.num_prompt_tokens == prompt_len
 

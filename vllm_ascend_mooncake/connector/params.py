@@ -70,6 +70,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     remote_output_token_ids: (
         Annotated[list[int], msgspec.Meta(max_length=MAX_OUTPUT_TOKENS)] | None
     ) = None
+    #: Whether prefill's vLLM (and so, in a deployment of one release, decode's) takes a chat
+    #: request's prompt as token ids in ``kv_transfer_params["prompt_token_ids"]`` (vLLM
+    #: 0.30+), which a chat request continued from prefill's token needs.
+    remote_chat_prompt_ids: bool = False
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 

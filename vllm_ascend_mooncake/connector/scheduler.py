@@ -40,6 +40,7 @@ from .params import (
     release_target,
     transfer_id_of,
 )
+from .vllm_compat import chat_takes_forwarded_prompt_ids
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -72,6 +73,8 @@ class ConnectorScheduler:
         self._first_seen: dict[str, float] = {}
         self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
         self._warned_loopback: set[str] = set()  # prefill engines already warned about
+        #: prefill: whether this vLLM takes chat prompts as forwarded token ids (see params)
+        self._chat_prompt_ids = config.is_producer and chat_takes_forwarded_prompt_ids()
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -333,6 +336,7 @@ class ConnectorScheduler:
             remote_dp_rank=self.config.server_dp_rank,
             remote_dp_size=self.config.server_dp_size,
             remote_output_token_ids=list(request.output_token_ids)[:MAX_OUTPUT_TOKENS],
+            remote_chat_prompt_ids=self._chat_prompt_ids,
         ).to_dict()
 
     def _try_parse(self, request: Request) -> RemotePrefill | None:

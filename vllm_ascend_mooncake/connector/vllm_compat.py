@@ -32,6 +32,18 @@ HEAD_MAJOR_LAYOUT = "HND"
 RESOLVED_HEAD_MAJOR_LAYOUT = "LBHNC"
 
 
+def chat_takes_forwarded_prompt_ids() -> bool:
+    """vLLM 0.30+'s chat endpoint takes a request's prompt as token ids forwarded in
+    ``kv_transfer_params["prompt_token_ids"]`` instead of rendering its messages
+    (``vllm/renderers/online_renderer.py``, ``_reused_prompt_token_ids``): what a decode that
+    continues a chat request from prefill's token needs. vLLM 0.23 renders the messages."""
+    try:
+        from vllm.renderers import online_renderer
+    except ImportError:
+        return False
+    return hasattr(online_renderer, "_reused_prompt_token_ids")
+
+
 def p2p_cache_hit_source() -> Any | None:
     """vLLM 0.33+ labels each connector's external prefix-cache hits by tier
     (``KVConnectorBase_V1._cache_hit_source``, ``vllm.v1.metrics.cache_hit_source``): ours come

@@ -165,6 +165,12 @@ class ContinuedLegs:
         reason = None
         if first is None:
             reason = "no token ids from prefill"
+        elif (
+            first.chat
+            and not ends_answer
+            and not self.legs.prefill_ranks.chat_prompt_ids(prefill_upstream.url)
+        ):
+            reason = "chat on vLLM before 0.30"  # its decode would render the messages
         elif not ends_answer and not await self.token_texts.whole_characters(
             prefill_upstream.url, client_body.get("model"), first.token_ids[-1]
         ):

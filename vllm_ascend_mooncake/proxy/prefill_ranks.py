@@ -59,6 +59,8 @@ class _Instance:
     addresses: dict[int, dict[str, Any]] = field(default_factory=dict)
     in_flight: dict[int, int] = field(default_factory=dict)
     picked: dict[int, int] = field(default_factory=dict)
+    #: whether its vLLM takes chat prompts as forwarded token ids (``remote_chat_prompt_ids``)
+    chat_prompt_ids: bool = False
 
 
 def reported_rank(kv_transfer_params: dict[str, Any]) -> tuple[int, int] | None:
@@ -94,6 +96,7 @@ class PrefillRanks:
             if instance is not None:
                 logger.info("prefill %s now fronts %d data-parallel engines", url, size)
             instance = self._instances[url] = _Instance(size)
+        instance.chat_prompt_ids = kv_transfer_params.get("remote_chat_prompt_ids") is True
         if instance.addresses.get(rank) != address:
             engine = f" (data-parallel engine {rank} of {size})" if size > 1 else ""
             logger.info("prefill %s%s serves its KV cache from %s", url, engine, address)
@@ -135,6 +138,12 @@ class PrefillRanks:
         count = instance.in_flight.get(choice.dp_rank, 0)
         if count > 0:
             instance.in_flight[choice.dp_rank] = count - 1
+
+    def chat_prompt_ids(self, url: str) -> bool:
+        """Whether ``url``'s vLLM takes chat prompts as forwarded token ids, as its last answer
+        said (False when none did)."""
+        instance = self._instances.get(url)
+        return instance is not None and instance.chat_prompt_ids
 
     def engines(self, url: str) -> dict[int, dict[str, Any]]:
         """The addresses known for ``url``'s engines, by rank (a copy, for reports and tests)."""
