@@ -452,6 +452,7 @@ class NixlSystem(BenchSystem):
                 # each instance serves its handshake on a port of its own (one per DP rank)
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                **{k: v for k, v in os.environ.items() if k.startswith("UCX_")},
             }
             servers.append(
                 settings.server(
