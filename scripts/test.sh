@@ -180,7 +180,7 @@ CI_STARTED="$(date +%s)"
 bash scripts/setup.sh
 run_step "ruff check" .venv/bin/ruff check .
 say "==== main: the whole suite on .venv ($(vllm_version_of .venv)) ===="
-run_step "main ($(vllm_version_of .venv)): pytest tests/" .venv/bin/python -m pytest
+run_step "main ($(vllm_version_of .venv)): pytest tests/" .venv/bin/python -m pytest --durations=40
 for series in ${VAM_VLLM_LEGS-$DEFAULT_LEGS}; do
     run_leg "$series"
 done
