@@ -1,13 +1,13 @@
 """Different block sizes on prefill and decode: plans reproduce the reference, token by token.
 
-The expected decode bytes come from :class:`ReferencePrompt`: token ``t`` of the prompt sits in
-the side's ``t // B``-th block at slot ``t % B``, whatever the other side's block size. Decode
-slots past the last prefill-held token keep their bytes, and so does everything else.
+The simulator (:mod:`vllm_ascend_mooncake.testing.plan_simulator`, shared with the equal-size
+tests) checks token by token: token ``t`` of the prompt sits in a side's ``t // B``-th block at
+slot ``t % B``, whatever the other side's block size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -34,199 +34,77 @@ from vllm_ascend_mooncake.core.plan_tokens import align_tokens
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
 from vllm_ascend_mooncake.testing.kv_reference import (
     LAYOUT_KINDS,
-    AddressSpace,
-    ReferencePrompt,
     cpu_like_packing,
-    execute_plan,
     owned_heads,
     region_layouts,
-    region_table,
-    table_bytes,
+)
+from vllm_ascend_mooncake.testing.plan_simulator import (
+    PullCase,
+    cdiv,
+    draw_block_ids,
+    simulate_pull,
 )
 
-GiB = 1 << 30
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
-class Case:
-    heads: int
-    prefill_tp: int
-    decode_tp: int
-    kind: str
-    prefill_block: int
-    decode_block: int
-    num_tokens: int
-    cached_blocks: int  # decode blocks of the prompt already cached on decode
-    num_layers: int = 1
-    head_token_bytes: int = 4
-    extra_blocks: int = 2
-    id_style: str = "shuffled"
-    prefill_pad: int = 0
-    decode_pad: int = 0
-    coalesce_runs: bool = True
-    cap: int = 1024
-    staging_blocks: int = 64
-    seed: int = 0
-    flip_single_head: bool = False
-    max_descriptor_bytes: int = 0
-    pass_num_tokens: bool = True
-    token_unit: int = 1  # packing unit of packed_head_major chunks
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kind == "latent"
-
-    @property
-    def prefill_blocks(self) -> int:
-        return cdiv(self.num_tokens, self.prefill_block)
-
-    @property
-    def decode_blocks(self) -> int:
-        return cdiv(self.num_tokens, self.decode_block)
-
-
-def _ids(rng: np.random.Generator, count: int, total: int, style: str) -> list[int]:
-    if style == "contiguous":
-        start = int(rng.integers(0, total - count + 1))
-        return list(range(start, start + count))
-    ids = rng.permutation(total)[:count].tolist()
-    return sorted(ids) if style == "sorted" else ids
-
-
-def run_case(case: Case, decode_rank: int) -> RequestPlan | None:
-    """Fill prefill memories token by token, plan, execute, compare every decode byte.
-
-    Different block sizes with head-major blocks of unknown packing must be refused instead."""
-    topo = TransferTopology(case.heads, case.prefill_tp, case.decode_tp, is_mla=case.is_mla)
-    num_heads = 1 if case.is_mla else case.heads
-    num_regions = len(region_layouts(case.kind, case.num_layers, 1, 1, 1, 1, 0))
-    rng = np.random.default_rng(case.seed)
-    prefill_count = case.prefill_blocks
-    local_count = case.decode_blocks - case.cached_blocks
-    remote_total = prefill_count + case.extra_blocks
-    local_total = max(local_count, 1) + case.extra_blocks
-    remote_ids = _ids(rng, prefill_count, remote_total, case.id_style)
-    local_ids = _ids(rng, local_count, local_total, case.id_style)
-    # Every slot of the prompt's prefill blocks holds a token (past the prompt: what a real
-    # engine leaves there, which moves with its block).
-    ref = ReferencePrompt.random(
-        num_regions,
-        prefill_count * case.prefill_block,
-        num_heads,
-        case.head_token_bytes,
-        seed=case.seed + 7,
+def prompt_case(
+    *,
+    num_tokens: int,
+    cached_blocks: int,
+    extra_blocks: int = 2,
+    id_style: str = "shuffled",
+    **fields,
+) -> PullCase:
+    """A pull of a ``num_tokens`` prompt of which decode caches ``cached_blocks`` blocks, its
+    block ids drawn (``id_style``) from tables ``extra_blocks`` larger than needed."""
+    rng = np.random.default_rng(fields.get("seed", 0) + 1)
+    prefill_count = cdiv(num_tokens, fields["prefill_block"])
+    local_count = cdiv(num_tokens, fields["decode_block"]) - cached_blocks
+    remote_total = prefill_count + extra_blocks
+    local_total = max(local_count, 1) + extra_blocks
+    return PullCase(
+        num_tokens=num_tokens,
+        remote_ids=draw_block_ids(rng, prefill_count, remote_total, id_style),
+        local_ids=draw_block_ids(rng, local_count, local_total, id_style),
+        remote_blocks=remote_total,
+        local_blocks=local_total,
+        **fields,
     )
 
-    remote_spaces, remote_tables, snapshots = {}, {}, {}
-    for p in range(case.prefill_tp):
-        heads = owned_heads(num_heads, case.prefill_tp, p, case.is_mla)
-        layouts = region_layouts(
+
+def simulate_or_refuse(case: PullCase, decode_rank: int) -> RequestPlan | None:
+    """:func:`simulate_pull`, except that different block sizes with head-major blocks of
+    unknown packing must be refused."""
+    num_heads = 1 if case.is_mla else case.heads
+
+    def first_layout(tp: int, rank: int, block: int) -> RegionLayout:
+        heads = len(owned_heads(num_heads, tp, rank, case.is_mla))
+        return region_layouts(
             case.kind,
-            case.num_layers,
-            len(heads),
-            case.prefill_block,
+            1,
+            heads,
+            block,
             case.head_token_bytes,
-            remote_total,
-            case.prefill_pad,
+            1,
+            0,
             case.flip_single_head,
             case.token_unit,
-        )
-        base = (p + 1) * GiB
-        memory = rng.integers(0, 256, table_bytes(layouts), dtype=np.uint8)
-        regions, offsets = region_table(f"p{p}.", base, layouts)
-        ref.place(memory, layouts, offsets, heads, remote_ids)
-        space = AddressSpace()
-        space.add(base, memory)
-        remote_spaces[p], remote_tables[p] = space, regions
-        snapshots[p] = memory.copy()
+        )[0]
 
-    my_heads = owned_heads(num_heads, case.decode_tp, decode_rank, case.is_mla)
-    local_layouts = region_layouts(
-        case.kind,
-        case.num_layers,
-        len(my_heads),
-        case.decode_block,
-        case.head_token_bytes,
-        local_total,
-        case.decode_pad,
-        case.flip_single_head,
-        case.token_unit,
-    )
-    local_base = 100 * GiB
-    local_memory = rng.integers(0, 256, table_bytes(local_layouts), dtype=np.uint8)
-    before = local_memory.copy()
-    local_regions, local_offsets = region_table("d.", local_base, local_layouts)
-    local_space = AddressSpace()
-    local_space.add(local_base, local_memory)
-    staging_base = 200 * GiB
-    prefill_heads = max(
-        len(owned_heads(num_heads, case.prefill_tp, p, case.is_mla)) for p in range(case.prefill_tp)
-    )
-    # Prefill ranks read in parallel share the staging buffer.
-    parallel_reads = len({pull.prefill_rank for pull in topo.pulls_for(decode_rank, case.seed)})
-    staging_capacity = (
-        case.staging_blocks
-        * parallel_reads
-        * prefill_heads
-        * case.prefill_block
-        * case.head_token_bytes
-    )
-    local_space.add(staging_base, np.zeros(staging_capacity, dtype=np.uint8))
-
-    def plan() -> RequestPlan:
-        return plan_request(
-            topo,
-            decode_rank,
-            case.seed,
-            local_regions,
-            remote_tables,
-            local_ids,
-            remote_ids,
-            PlanOptions(
-                max_descriptors_per_batch=case.cap,
-                coalesce_runs=case.coalesce_runs,
-                staging=StagingArea(staging_base, staging_capacity),
-                max_descriptor_bytes=case.max_descriptor_bytes,
-            ),
-            num_tokens=case.num_tokens if case.pass_num_tokens else None,
-        )
-
-    local_layout, remote_layout = local_layouts[0], remote_tables[0][0].layout
+    local = first_layout(case.decode_tp, decode_rank, case.decode_block)
+    remote = first_layout(case.prefill_tp, 0, case.prefill_block)
     if (
         case.prefill_block != case.decode_block
-        and effective_order(local_layout, remote_layout) is BlockOrder.HEAD_MAJOR
-        and not (local_layout.packing and remote_layout.packing)
+        and effective_order(local, remote) is BlockOrder.HEAD_MAJOR
+        and not (local.packing and remote.packing)
     ):
         with pytest.raises(LayoutError, match="with head-major blocks whose packing is unknown"):
-            plan()
+            simulate_pull(case, decode_rank)
         return None
-    plan = plan()
-    execute_plan(plan, local_space, remote_spaces)
-
-    expected = before.copy()
-    ref.place(
-        expected, local_layouts, local_offsets, my_heads, local_ids, first_block=case.cached_blocks
-    )
-    if not np.array_equal(local_memory, expected):
-        wrong = np.flatnonzero(local_memory != expected)
-        raise AssertionError(f"{len(wrong)} wrong decode bytes, first at offset {wrong[0]}")
-    for p, memory in snapshots.items():
-        assert np.array_equal(remote_spaces[p].view((p + 1) * GiB, len(memory)), memory)
-    for peer in plan.peers:
-        assert all(0 < len(batch) <= case.cap for batch in peer.batches)
-        if case.max_descriptor_bytes:  # staged reads are whole prefill blocks, at least one
-            largest_block = max(r.layout.block_len for r in remote_tables[peer.prefill_rank])
-            limit = max(case.max_descriptor_bytes, largest_block)
-            assert all(b.lengths.max() <= limit for b in peer.batches)
-    return plan
+    return simulate_pull(case, decode_rank)
 
 
 @st.composite
-def cases(draw) -> tuple[Case, int]:
+def cases(draw) -> tuple[PullCase, int]:
     kind = draw(st.sampled_from(LAYOUT_KINDS))
     heads = 1 if kind == "latent" else draw(st.sampled_from([1, 2, 4, 8]))
     prefill_tp = draw(st.sampled_from([1, 2, 4, 8]))
@@ -243,8 +121,9 @@ def cases(draw) -> tuple[Case, int]:
     smaller = min(prefill_block, decode_block)
     token_unit = draw(st.sampled_from([u for u in (1, 2, 3, 4) if smaller % u == 0]))
     decode_blocks = cdiv(num_tokens, decode_block)
-    pass_num_tokens = draw(st.booleans()) if decode_block >= prefill_block else True
-    case = Case(
+    # a larger prefill block needs the prompt length to know how many decode blocks it fills
+    tell_planner = draw(st.booleans()) if decode_block >= prefill_block else True
+    case = prompt_case(
         heads=heads,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
@@ -265,7 +144,7 @@ def cases(draw) -> tuple[Case, int]:
         seed=draw(st.integers(0, 2**32)),
         flip_single_head=draw(st.booleans()),
         max_descriptor_bytes=draw(st.sampled_from([0, 0, 7, 64])),
-        pass_num_tokens=pass_num_tokens,
+        tell_planner_num_tokens=tell_planner,
         token_unit=token_unit,
     )
     return case, draw(st.integers(0, decode_tp - 1))
@@ -274,10 +153,10 @@ def cases(draw) -> tuple[Case, int]:
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_plan_with_different_block_sizes_reproduces_reference_bytes(
-    sample: tuple[Case, int],
+    sample: tuple[PullCase, int],
 ) -> None:
     case, decode_rank = sample
-    run_case(case, decode_rank)
+    simulate_or_refuse(case, decode_rank)
 
 
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
@@ -287,7 +166,7 @@ def test_plan_with_different_block_sizes_reproduces_reference_bytes(
 def test_every_layout_tp_pair_and_ratio(kind, tps, blocks, cached_blocks) -> None:
     prefill_tp, decode_tp = tps
     prefill_block, decode_block = blocks
-    case = Case(
+    case = prompt_case(
         heads=1 if kind == "latent" else 4,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
@@ -301,7 +180,7 @@ def test_every_layout_tp_pair_and_ratio(kind, tps, blocks, cached_blocks) -> Non
         token_unit=2 if kind == "packed_head_major" else 1,
     )
     for decode_rank in range(decode_tp):
-        run_case(case, decode_rank)
+        simulate_or_refuse(case, decode_rank)
 
 
 def test_head_major_blocks_of_unknown_packing_and_different_sizes_are_refused() -> None:
@@ -364,8 +243,9 @@ def test_packing_must_cover_the_head_and_divide_the_block() -> None:
 
 def test_token_major_merge_swaps_only_filled_rows() -> None:
     """TP 2 -> 1 token-major merge, Bp=2, Bd=4, 5 tokens: the last decode block is filled for
-    2 tokens (its only prefill block), so its swap covers 2 rows."""
-    case = Case(
+    2 tokens (its only prefill block), so its swap covers 2 rows (decode blocks apart, so that
+    their swaps stay apart)."""
+    case = PullCase(
         heads=2,
         prefill_tp=2,
         decode_tp=1,
@@ -373,9 +253,10 @@ def test_token_major_merge_swaps_only_filled_rows() -> None:
         prefill_block=2,
         decode_block=4,
         num_tokens=5,
-        cached_blocks=0,
+        remote_ids=[4, 1, 2],
+        local_ids=[3, 0],
     )
-    plan = run_case(case, 0)
+    plan = simulate_or_refuse(case, 0)
     assert sorted((s.outer, s.inner, len(s.addrs)) for s in plan.fixups) == [(2, 2, 1), (2, 4, 1)]
 
 
