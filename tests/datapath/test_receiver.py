@@ -18,26 +18,29 @@ import pytest
 import torch
 import zmq
 
+from vllm_ascend_mooncake.connector.wiring import (
+    DecodeSettings,
+    KVCacheMemory,
+    PrefillSettings,
+    WorkerIdentity,
+    build_decode_side,
+    build_prefill_side,
+)
 from vllm_ascend_mooncake.core.layout import BlockOrder, ChunkPacking
 from vllm_ascend_mooncake.core.packing import chunk_packing
-from vllm_ascend_mooncake.core.plan import StagingArea
 from vllm_ascend_mooncake.core.relayout import LocalMemory
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
-from vllm_ascend_mooncake.datapath.peers import PeerDirectory
-from vllm_ascend_mooncake.datapath.receiver import Receiver, ReceiverOptions, StagingPool
+from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
 from vllm_ascend_mooncake.datapath.registration import (
-    regions_from_split_caches,
-    regions_from_vllm_views,
     storage_ranges,
 )
-from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
-from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient
 from vllm_ascend_mooncake.datapath.transport import TransferError
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.kv_caches import KVCache
 from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
 
 HOST = "127.0.0.1"
@@ -57,101 +60,45 @@ FAST = ReceiverOptions(
 )
 
 
-class Cache:
-    """A CPU KV cache shaped like vLLM's (one allocation, one ``[blocks, H, N, C]`` view per
-    layer) or, with ``mla_widths``, like vllm-ascend's MLA cache (per layer a nope and a rope
-    tensor ``[blocks, N, 1, width]``, each its own allocation)."""
-
-    def __init__(
-        self,
-        heads: int,
-        num_blocks: int,
-        token_major: bool,
-        seed: int,
-        mla_widths=(),
-        block_size: int = BLOCK_SIZE,
-        packing: ChunkPacking = (),
-    ) -> None:
-        if mla_widths:
-            caches = {
-                f"layer.{i}": tuple(
-                    torch.empty(num_blocks, BLOCK_SIZE, 1, w, dtype=torch.float16)
-                    for w in mla_widths
-                )
-                for i in range(LAYERS)
-            }
-            self.tensors = [t for pair in caches.values() for t in pair]
-            self.regions = regions_from_split_caches(
-                caches,
-                num_kv_heads=1,
-                block_size=BLOCK_SIZE,
-                head_size=sum(mla_widths),
-                is_mla=True,
-            )
-        else:
-            page = heads * block_size * CONTENT
-            raw = torch.empty(LAYERS * num_blocks * page, dtype=torch.float16)
-            if token_major:
-                strides = (page, CONTENT, heads * CONTENT, 1)
-            else:
-                strides = (page, block_size * CONTENT, CONTENT, 1)
-            views = {
-                f"layer.{i}": raw.as_strided(
-                    (num_blocks, heads, block_size, CONTENT), strides, i * num_blocks * page
-                )
-                for i in range(LAYERS)
-            }
-            self.tensors = [raw]
-            self.regions = regions_from_vllm_views(
-                views, num_kv_heads=heads, block_size=block_size, is_mla=False, packing=packing
-            )
-        self.arrays = [t.view(-1).view(torch.uint8).numpy() for t in self.tensors]
-        rng = np.random.default_rng(seed)
-        for array in self.arrays:
-            array[:] = rng.integers(0, 256, array.size, np.uint8)
-
-    @property
-    def bytes(self) -> np.ndarray:
-        """A copy of every byte of the cache, its allocations one after another."""
-        return np.concatenate(self.arrays)
-
-    def _locate(self, region: int, block: int) -> tuple[int, int]:
-        """(allocation index, byte offset in it) of a region's block."""
-        addr = self.regions[region].block_addr(block)
-        for index, (tensor, array) in enumerate(zip(self.tensors, self.arrays, strict=True)):
-            if tensor.data_ptr() <= addr < tensor.data_ptr() + array.size:
-                return index, addr - tensor.data_ptr()
-        raise AssertionError(f"region {region} block {block} is in no allocation")
-
-    def block(self, region: int, block: int) -> np.ndarray:
-        index, start = self._locate(region, block)
-        return self.arrays[index][start : start + self.regions[region].layout.block_len]
-
-    def offset(self, region: int, block: int) -> int:
-        """Where a region's block starts in :attr:`bytes`."""
-        index, start = self._locate(region, block)
-        return sum(a.size for a in self.arrays[:index]) + start
+def cache(
+    heads: int,
+    num_blocks: int,
+    token_major: bool,
+    seed: int,
+    mla_widths: tuple[int, ...] = (),
+    block_size: int = BLOCK_SIZE,
+    packing: ChunkPacking = (),
+) -> KVCache:
+    """A CPU KV cache shaped like vLLM's or, with ``mla_widths``, like vllm-ascend's MLA cache."""
+    if mla_widths:
+        layout = "ascend_mla"
+    else:
+        layout = "vllm_token_major" if token_major else "vllm_head_major"
+    return KVCache(
+        layout,
+        num_layers=LAYERS,
+        heads=heads,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        head_size=CONTENT,
+        dtype=torch.float16,
+        seed=seed,
+        mla_widths=mla_widths,
+        packing=packing,
+    )
 
 
-def metadata(
-    role: str,
-    topo: TransferTopology,
-    rank: int,
-    session: str,
-    cache: Cache,
-    block_size: int,
-    head_size: int = HEAD_SIZE,
-) -> WorkerMetadata:
-    return WorkerMetadata(
+def identity(
+    role: str, topo: TransferTopology, rank: int, block_size: int, head_size: int
+) -> WorkerIdentity:
+    return WorkerIdentity(
         engine_id=role,
         incarnation=uuid.uuid4().hex,
         tp_rank=rank,
         tp_size=topo.prefill_tp if role == "prefill" else topo.decode_tp,
         dp_rank=0,
         dp_size=1,
-        pp_size=1,
-        transport_session=session,
-        identity=ModelIdentity(
+        model=ModelIdentity(
             "reference",
             "float16",
             "auto",
@@ -161,18 +108,18 @@ def metadata(
             LAYERS,
             topo.is_mla,
         ),
-        regions=[RegionInfo.of(r) for r in cache.regions],
     )
 
 
 class Prefill:
-    """One prefill rank: a reference-filled cache, its transport and its side channel."""
+    """One prefill rank: a reference-filled cache served through the production wiring on the
+    in-process transport."""
 
     def __init__(
         self, topo, rank, port, ref, token_major, mla_widths=(), block_size=BLOCK_SIZE, packing=()
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank, topo.is_mla)
-        self.cache = Cache(
+        self.cache = cache(
             len(self.heads), PREFILL_BLOCKS, token_major, rank, mla_widths, block_size, packing
         )
         for index, region in enumerate(self.cache.regions):
@@ -181,8 +128,14 @@ class Prefill:
                     index, block, self.heads, region.layout.block_order, region.layout.packing
                 )
         self.transport = InProcessTransport()
-        self.transport.register(storage_ranges(self.cache.tensors))
-        self.tracker = SendTracker(topo, rank, release_timeout_s=30.0)
+        self.side = build_prefill_side(
+            identity("prefill", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
+            topo,
+            self.transport,
+            KVCacheMemory(self.cache.tensors, self.cache.regions),
+            PrefillSettings(HOST, port, release_timeout_s=30.0),
+        )
+        self.tracker = self.side.sender.tracker
         self.notices: list[tuple[str, int, bool]] = []  # read-done notices, as prefill saw them
         read_done = self.tracker.read_done
 
@@ -191,26 +144,15 @@ class Prefill:
             return read_done(transfer_id, decode_rank, success, reader, decode_tp)
 
         self.tracker.read_done = record
-        meta = metadata(
-            "prefill",
-            topo,
-            rank,
-            self.transport.session,
-            self.cache,
-            block_size,
-            sum(mla_widths) or HEAD_SIZE,
-        )
-        self.sender = PrefillSender(
-            meta, self.tracker, HOST, port, memory=LocalMemory.from_tensors(self.cache.tensors)
-        )
 
     def close(self) -> None:
-        self.sender.close()
+        self.side.close()
         self.transport.close()
 
 
 class Decode:
-    """One decode rank: a real Receiver reading into a CPU cache through its own transport."""
+    """One decode rank: the production wiring's receiver reading into a CPU cache through the
+    in-process transport."""
 
     def __init__(
         self,
@@ -227,7 +169,7 @@ class Decode:
         client_timeout_s: float = 5.0,
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.decode_tp, rank, topo.is_mla)
-        self.cache = Cache(
+        self.cache = cache(
             len(self.heads),
             DECODE_BLOCKS,
             token_major,
@@ -236,34 +178,21 @@ class Decode:
             block_size,
             packing,
         )
-        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
-        self.transport = InProcessTransport()
-        self.transport.register(storage_ranges([*self.cache.tensors, self.staging]))
         self.snapshot = self.cache.bytes
-        self.client = SideChannelClient(timeout_s=client_timeout_s)
-        meta = metadata(
-            "decode",
+        self.transport = InProcessTransport()
+        self.side = build_decode_side(
+            identity("decode", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
             topo,
-            rank,
-            self.transport.session,
-            self.cache,
-            block_size,
-            sum(mla_widths) or HEAD_SIZE,
-        )
-        self.peers = PeerDirectory(self.client, meta, topo)
-        pool = StagingPool([StagingArea(self.staging.data_ptr(), self.staging.numel())])
-        self.memory = memory_type.from_tensors([*self.cache.tensors, self.staging])
-        self.receiver = Receiver(
             self.transport,
-            topo,
-            rank,
-            self.cache.regions,
-            self.memory,
-            self.peers,
-            self.client,
-            options,
-            pool if staging else None,
+            KVCacheMemory(self.cache.tensors, self.cache.regions),
+            DecodeSettings(
+                receiver=options,
+                staging_bytes=staging_bytes if staging else 0,
+                side_channel_timeout_s=client_timeout_s,
+            ),
+            memory_type=memory_type,
         )
+        self.receiver, self.memory = self.side.receiver, self.side.memory
         self.done: set[str] = set()
         self.failed: dict = {}
 
@@ -291,8 +220,7 @@ class Decode:
         assert np.array_equal(self.cache.bytes, expected), "bytes outside the pulled blocks moved"
 
     def close(self) -> None:
-        self.receiver.shutdown()
-        self.client.close()
+        self.side.close()
         self.transport.close()
 
 
@@ -776,7 +704,7 @@ def test_a_prefill_configured_for_decode_tp_2_serves_a_tp_1_decode(cluster) -> N
         decode.close()
 
 
-def _offsets(cache: Cache) -> list[int]:
+def _offsets(cache: KVCache) -> list[int]:
     """Where each region starts in the cache's one allocation (not an MLA cache)."""
     return [region.base - cache.tensors[0].data_ptr() for region in cache.regions]
 
@@ -889,7 +817,7 @@ def test_shutdown_does_not_wait_out_an_early_pull() -> None:
     finally:
         for side in c.prefill:
             side.close()
-        c.decode[0].client.close()
+        c.decode[0].side.client.close()
         c.decode[0].transport.close()
 
 
@@ -996,7 +924,7 @@ def test_a_prefill_that_never_answers_its_metadata_holds_one_planning_thread_not
         c.pull("healthy", [10, 11], [9, 10])
         d.wait(["healthy"], timeout_s=30)
         assert "healthy" in d.done
-        assert time.monotonic() - started < 2 * d.client.timeout_s
+        assert time.monotonic() - started < 2 * d.side.client.timeout_s
         d.check_blocks(c.ref, [10, 11], [9, 10])
     finally:
         c.close()

@@ -155,6 +155,8 @@ class DecodeSide:
     client: SideChannelClient
     peers: PeerDirectory
     metadata: WorkerMetadata
+    #: the memory the receiver's fix-ups copy in: the KV cache and the staging buffers
+    memory: LocalMemory
     #: the registered staging buffers (empty when the topology never stages)
     staging: list[torch.Tensor] = field(default_factory=list)
 
@@ -191,9 +193,12 @@ def build_decode_side(
     transport: Transport,
     memory: KVCacheMemory,
     settings: DecodeSettings,
+    memory_type: type[LocalMemory] = LocalMemory,
 ) -> DecodeSide:
     """Register the KV cache and a staging buffer (when pulls may need one), and start the
-    receiver that pulls requests' KV from the prefill ranks the topology names."""
+    receiver that pulls requests' KV from the prefill ranks the topology names.
+
+    ``memory_type``: how fix-ups copy (tests pass a fake of an accelerator's queued copies)."""
     import torch
 
     device = memory.tensors[0].device if memory.tensors else "cpu"
@@ -206,18 +211,19 @@ def build_decode_side(
     metadata = _metadata(who, transport, memory.regions)
     client = SideChannelClient(settings.side_channel_timeout_s, secret=settings.secret)
     peers = PeerDirectory(client, metadata, topology)
+    local_memory = memory_type.from_tensors([*memory.tensors, *staging])
     receiver = Receiver(
         transport,
         topology,
         who.tp_rank,
         memory.regions,
-        LocalMemory.from_tensors([*memory.tensors, *staging]),
+        local_memory,
         peers,
         client,
         settings.receiver,
         StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
     )
-    return DecodeSide(receiver, client, peers, metadata, staging)
+    return DecodeSide(receiver, client, peers, metadata, local_memory, staging)
 
 
 def staging_areas(base: int, size: int) -> list[StagingArea]:

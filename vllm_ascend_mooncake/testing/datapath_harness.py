@@ -1,17 +1,11 @@
 """Real prefill and decode worker processes moving KV over Mooncake, for tests and benchmarks.
 
 Each :class:`WorkerProcess` is a separate OS process with its own Mooncake transfer engine, reused
-across cases: per case it allocates a KV cache shaped like the engine's (vLLM per-layer views,
-vllm-ascend separate K/V tensors, or vllm-ascend's MLA nope and rope tensors), registers it, and
-runs the real :class:`PrefillSender` or :class:`Receiver`. Prefill caches are filled from a
-:class:`ReferenceKV`; decode workers check every pulled block against it byte for byte, and that
-no byte outside the requested blocks changed.
-
-When prefill and decode use different block sizes (``CaseSpec.prefill_block_size``), prefill
-caches are filled token by token from a :class:`ReferencePrompt` instead (the "pool": prefill
-block ``b`` holds its tokens ``b * Bp ..``), a request's prompt is the pool's tokens of its
-prefill blocks, in order, and decode expects every token the transfer moves in its slot
-(:meth:`ReferencePrompt.place`) and every other byte of its cache unchanged.
+across cases (:mod:`.datapath_cases`): per case it allocates a KV cache shaped like the engine's
+(:mod:`.kv_caches`), registers it, and runs the real :class:`PrefillSender` or :class:`Receiver`
+through the production wiring. Prefill caches are filled from the case's reference; decode
+workers check every pulled byte against it, and that no byte outside the requested blocks
+changed.
 """
 
 from __future__ import annotations
@@ -20,235 +14,11 @@ import multiprocessing as mp
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.layout import ChunkPacking
-from ..core.packing import chunk_packing
-from ..core.topology import TransferTopology
-from .kv_reference import ReferenceKV, ReferencePrompt, owned_heads
-
-LAYOUTS = ("vllm_head_major", "vllm_token_major", "split_kv", "mla", "ascend_mla")
-
-#: vLLM CPU's ISA kernels whose head-major chunk packing is described (:mod:`..core.packing`).
-CPU_PACKINGS = ("vec", "vec16", "amx")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class CaseSpec:
-    """One geometry: model, TP pair, layout and pool sizes.
-
-    ``block_size`` is decode's block size, ``prefill_block_size`` prefill's (None: the same; else
-    one must divide the other, and requests must carry their prompt length). ``cpu_packing``
-    gives ``vllm_head_major`` caches vLLM CPU's chunk packing for that ISA kernel (both sides
-    advertise ``CPU_ATTN/<isa>``); head-major blocks of different sizes need it."""
-
-    name: str
-    heads: int
-    prefill_tp: int
-    decode_tp: int
-    layout: str
-    num_layers: int = 2
-    block_size: int = 16
-    head_size: int = 16
-    element_size: int = 2
-    prefill_blocks: int = 48
-    decode_blocks: int = 64
-    seed: int = 0
-    base_port: int = 0
-    release_timeout_s: float = 60.0
-    max_descriptors_per_batch: int = 1024
-    coalesce_runs: bool = True
-    block_reads_from_bytes: int = 0
-    staging_bytes: int = 1 << 20
-    max_descriptor_bytes: int = 0
-    # Benchmarks: skip the reference fill and byte checks; reserve a buffer for ceiling reads.
-    verify: bool = True
-    ceiling_bytes: int = 0
-    #: "ascend_mla": the widths (elements) of a layer's MLA tensors, vllm-ascend's
-    #: (kv_lora_rank, qk_rope_head_dim); each tensor is ``[blocks, block_size, 1, width]``.
-    mla_widths: tuple[int, ...] = (512, 64)
-    #: prefill's tokens per block (None: ``block_size``); ``prefill_blocks`` counts these.
-    prefill_block_size: int | None = None
-    #: "vec", "vec16" or "amx": vLLM CPU's packing of head-major chunks (``vllm_head_major`` only)
-    cpu_packing: str | None = None
-    #: decode checks every read batch against prefill's checksum (the ``verify_reads`` key)
-    verify_reads: bool = False
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r} (one of {LAYOUTS})")
-        bp, bd = self.prefill_tokens_per_block, self.block_size
-        if min(bp, bd) < 1 or (bp % bd and bd % bp):
-            raise ValueError(f"prefill block size {bp} and decode block size {bd}: neither divides")
-        if self.cpu_packing is not None:
-            if self.cpu_packing not in CPU_PACKINGS:
-                raise ValueError(f"cpu_packing {self.cpu_packing!r} is not one of {CPU_PACKINGS}")
-            if self.layout != "vllm_head_major":
-                raise ValueError("cpu_packing applies to the vllm_head_major layout only")
-            if not self.packing:
-                raise ValueError(
-                    f"vLLM CPU's {self.cpu_packing} packing does not describe head size "
-                    f"{self.head_size} with {self.element_size}-byte elements"
-                )
-
-    @property
-    def prefill_tokens_per_block(self) -> int:
-        return self.block_size if self.prefill_block_size is None else self.prefill_block_size
-
-    @property
-    def mixed_block_sizes(self) -> bool:
-        """Prefill and decode blocks differ in size: filled and checked token by token."""
-        return self.prefill_tokens_per_block != self.block_size
-
-    @property
-    def attention_backend(self) -> str:
-        """The backend label both sides advertise (empty: unknown, as before packings)."""
-        return f"CPU_ATTN/{self.cpu_packing}" if self.cpu_packing else ""
-
-    @property
-    def packing(self) -> ChunkPacking:
-        """The head-major chunk packing the regions carry (empty: none)."""
-        if not self.cpu_packing:
-            return ()
-        return chunk_packing(self.attention_backend, "auto", self.head_size, self.element_size)
-
-    @property
-    def is_mla(self) -> bool:
-        return self.layout in ("mla", "ascend_mla")
-
-    @property
-    def ref_heads(self) -> int:
-        return 1 if self.is_mla else self.heads
-
-    @property
-    def regions_per_layer(self) -> int:
-        if self.layout == "ascend_mla":
-            return len(self.mla_widths)
-        return 2 if self.layout == "split_kv" else 1
-
-    @property
-    def identity_head_size(self) -> int:
-        """The head size the workers advertise (vLLM's: the whole latent for MLA)."""
-        return sum(self.mla_widths) if self.layout == "ascend_mla" else self.head_size
-
-    @property
-    def head_token_bytes(self) -> int:
-        # vLLM fuses K and V in the content axis; split caches hold one of them per tensor.
-        if self.layout == "ascend_mla":
-            return max(self.region_widths)
-        content = self.head_size if self.layout == "split_kv" else 2 * self.head_size
-        return content * self.element_size
-
-    @property
-    def region_widths(self) -> tuple[int, ...]:
-        """Bytes per head and token of every region, layer by layer."""
-        if self.layout == "ascend_mla":
-            return tuple(w * self.element_size for w in self.mla_widths) * self.num_layers
-        return (self.head_token_bytes,) * (self.num_layers * self.regions_per_layer)
-
-    def topology(self) -> TransferTopology:
-        return TransferTopology(self.heads, self.prefill_tp, self.decode_tp, is_mla=self.is_mla)
-
-    def reference(self) -> ReferenceKV:
-        return ReferenceKV.random(
-            self.num_layers * self.regions_per_layer,
-            self.prefill_blocks,
-            self.ref_heads,
-            self.block_size,
-            self.region_widths if self.layout == "ascend_mla" else self.head_token_bytes,
-            seed=self.seed,
-        )
-
-    def prompt_pool(self) -> ReferencePrompt:
-        """Mixed block sizes: the tokens of every prefill block, block ``b`` holding tokens
-        ``b * Bp .. (b + 1) * Bp - 1`` (as wide as the widest region; a region takes the first
-        ``region_widths[i]`` bytes)."""
-        return ReferencePrompt.random(
-            self.num_layers * self.regions_per_layer,
-            self.prefill_blocks * self.prefill_tokens_per_block,
-            self.ref_heads,
-            max(self.region_widths),
-            seed=self.seed,
-        )
-
-    def prompt_blocks(self, num_tokens: int) -> tuple[int, int]:
-        """(prefill blocks, decode blocks) a ``num_tokens``-token prompt fills."""
-        return (
-            _cdiv(num_tokens, self.prefill_tokens_per_block),
-            _cdiv(num_tokens, self.block_size),
-        )
-
-    def request_prompt(self, pool: ReferencePrompt, spec: RequestSpec) -> ReferencePrompt:
-        """The tokens a pull of ``spec`` moves, from the start of its prompt: the pool's tokens of
-        its prefill blocks, in order, up to the end of the last decode block or of the last
-        prefill block, whichever comes first (a moved piece past the prompt's end moves whole,
-        as whole blocks do with equal sizes)."""
-        bp, bd = self.prefill_tokens_per_block, self.block_size
-        _, decode_blocks = self.prompt_blocks(spec.num_prompt_tokens)
-        end = min(len(spec.remote_block_ids) * bp, decode_blocks * bd)
-        tokens = np.concatenate(
-            [np.arange(b * bp, (b + 1) * bp) for b in spec.remote_block_ids] or [np.arange(0)]
-        )[:end]
-        return ReferencePrompt(pool.data[:, tokens])
-
-    def fits(self, spec: RequestSpec) -> str | None:
-        """Why ``spec``'s block lists do not fit its prompt length (None: they do)."""
-        prefill_blocks, decode_blocks = self.prompt_blocks(spec.num_prompt_tokens)
-        if len(spec.remote_block_ids) != prefill_blocks:
-            return (
-                f"{len(spec.remote_block_ids)} prefill blocks for {spec.num_prompt_tokens} "
-                f"tokens (expected {prefill_blocks})"
-            )
-        if len(spec.local_block_ids) > decode_blocks:
-            return (
-                f"{len(spec.local_block_ids)} decode blocks for {spec.num_prompt_tokens} "
-                f"tokens (at most {decode_blocks})"
-            )
-        return None
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    request_id: str
-    transfer_id: str
-    local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    #: decode was admitted before prefill finished: it learns the block ids from the read lease
-    early: bool = False
-    #: the prompt length; required with mixed block sizes (``remote_block_ids`` must then be
-    #: its prefill blocks, ``local_block_ids`` its last decode blocks, after any cached prefix)
-    prompt_tokens: int | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """The prompt length both sides agree on: ``prompt_tokens``, or a made-up length when
-        not given (equal block sizes move whole blocks and do not use it)."""
-        if self.prompt_tokens is not None:
-            return self.prompt_tokens
-        return 1000 + len(self.remote_block_ids)
-
-
-@dataclass
-class PullOutcome:
-    done: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    failure_kinds: dict[str, str] = field(default_factory=dict)  # of the failed: FailureKind
-    cancelled: list[str] = field(default_factory=list)  # of the failed: gave up, read nothing
-    wrong_requests: dict[str, str] = field(default_factory=dict)
-    stray_bytes: int = 0
-    seconds: float = 0.0
-    bytes_moved: int = 0
-    descriptors: int = 0
-    ready_seconds: float = 0.0  # slowest request: first read to KV ready (fix-up included)
-    fixup_seconds: float = 0.0
-    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # request id -> timeline
-
+from .datapath_cases import CaseSpec, PullOutcome, RequestSpec
+from .kv_reference import ReferencePrompt, owned_heads
 
 # ---------------------------------------------------------------------------------------------
 # Inside the worker process
@@ -271,88 +41,29 @@ class _WorkerState:
 
     # -- cache construction --------------------------------------------------------------
 
-    def _allocate(
-        self, case: CaseSpec, heads: int, num_blocks: int, fill_value: int | None, block_size: int
-    ):
+    def _allocate(self, case: CaseSpec, heads: int, num_blocks: int, block_size: int) -> None:
         import torch
 
-        from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
+        from .kv_caches import KVCache
 
-        dtype = {2: torch.float16, 4: torch.float32, 1: torch.int8}[case.element_size]
-        n, c = block_size, case.head_token_bytes // case.element_size
-        if case.layout == "split_kv":
-            caches = {
-                f"layer.{i}": tuple(
-                    torch.empty(num_blocks, n, heads, c, dtype=dtype) for _ in range(2)
-                )
-                for i in range(case.num_layers)
-            }
-            tensors = [t for pair in caches.values() for t in pair]
-            regions = regions_from_split_caches(
-                caches, num_kv_heads=heads, block_size=n, head_size=c, is_mla=False
-            )
-        elif case.layout == "ascend_mla":
-            # vllm-ascend: per layer (nope, rope), [blocks, block_size, 1, width], each its own
-            # allocation (see datapath/registration.py for where this was read).
-            caches = {
-                f"layer.{i}": tuple(
-                    torch.empty(num_blocks, n, 1, width, dtype=dtype) for width in case.mla_widths
-                )
-                for i in range(case.num_layers)
-            }
-            tensors = [t for pair in caches.values() for t in pair]
-            regions = regions_from_split_caches(
-                caches,
-                num_kv_heads=1,
-                block_size=n,
-                head_size=case.identity_head_size,
-                is_mla=True,
-            )
-        else:
-            h = 1 if case.is_mla else heads
-            page = h * n * c
-            raw = torch.empty(case.num_layers * num_blocks * page, dtype=dtype)
-            if case.layout == "vllm_token_major":
-                strides = (page, c, h * c, 1)
-            else:
-                strides = (page, n * c, c, 1)
-            caches = {
-                f"layer.{i}": raw.as_strided((num_blocks, h, n, c), strides, i * num_blocks * page)
-                for i in range(case.num_layers)
-            }
-            tensors = [raw]
-            regions = regions_from_vllm_views(
-                caches, num_kv_heads=h, block_size=n, is_mla=case.is_mla, packing=case.packing
-            )
-        arrays = []
-        rng = np.random.default_rng(case.seed + 1000 + self.rank)
-        for tensor in tensors:
-            flat = tensor.view(-1).view(torch.uint8).numpy()
-            flat[:] = (
-                rng.integers(0, 256, flat.size, dtype=np.uint8)
-                if fill_value is None
-                else fill_value
-            )
-            arrays.append(flat)
-        return tensors, regions, arrays
-
-    def _region_array(self, index: int) -> tuple[np.ndarray, int]:
-        """The numpy array holding region ``index`` and the region's offset in it."""
-        base = self.regions[index].base
-        for tensor, array in zip(self.tensors, self.memory_arrays, strict=True):
-            start = tensor.data_ptr()
-            if start <= base < start + array.size:
-                return array, base - start
-        raise AssertionError(f"region {index} not in any buffer")
+        self.cache = KVCache(
+            case.layout,
+            num_layers=case.num_layers,
+            heads=heads,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            head_size=case.head_token_bytes // case.element_size,
+            dtype={2: torch.float16, 4: torch.float32, 1: torch.int8}[case.element_size],
+            seed=case.seed + 1000 + self.rank,
+            mla_widths=case.mla_widths,
+            packing=case.packing,
+        )
+        self.tensors, self.regions = self.cache.tensors, self.cache.regions
+        self.memory_arrays = self.cache.arrays
 
     def _region_arrays(self) -> list[tuple[np.ndarray, int, int]]:
         """Per region: its buffer, its offset in it and the buffer's index."""
-        out = []
-        for index in range(len(self.regions)):
-            array, offset = self._region_array(index)
-            buffer_index = next(i for i, a in enumerate(self.memory_arrays) if a is array)
-            out.append((array, offset, buffer_index))
-        return out
+        return [self.cache.region_array(index) for index in range(len(self.regions))]
 
     def _place(
         self,
@@ -402,16 +113,14 @@ class _WorkerState:
         self.case, self.rank = case, rank
         topo = case.topology()
         heads = owned_heads(case.ref_heads, case.prefill_tp, rank, case.is_mla)
-        self.tensors, self.regions, self.memory_arrays = self._allocate(
-            case, len(heads), case.prefill_blocks, None, case.prefill_tokens_per_block
-        )
+        self._allocate(case, len(heads), case.prefill_blocks, case.prefill_tokens_per_block)
         if case.verify and case.mixed_block_sizes:
             pool = case.prompt_pool()
             for index, (array, offset, _) in enumerate(self._region_arrays()):
                 self._place(pool, array, index, offset, heads, range(case.prefill_blocks))
         ref = case.reference() if case.verify and not case.mixed_block_sizes else None
         for index, region in enumerate(self.regions if ref is not None else ()):
-            array, offset = self._region_array(index)
+            array, offset, _ = self.cache.region_array(index)
             ref.fill(
                 array[offset:],
                 [region.layout],
@@ -472,9 +181,7 @@ class _WorkerState:
         self.case, self.rank = case, rank
         topo = case.topology()
         heads = owned_heads(case.ref_heads, case.decode_tp, rank, case.is_mla)
-        self.tensors, self.regions, self.memory_arrays = self._allocate(
-            case, len(heads), case.decode_blocks, None, case.block_size
-        )
+        self._allocate(case, len(heads), case.decode_blocks, case.block_size)
         self.ceiling_tensor = torch.zeros(max(case.ceiling_bytes, 1), dtype=torch.uint8)
         self.transport.register(storage_ranges([self.ceiling_tensor]))
         self.snapshot = [a.copy() for a in self.memory_arrays] if case.verify else []
@@ -613,8 +320,7 @@ class _WorkerState:
         for spec in requests:
             remote = spec.remote_block_ids[len(spec.remote_block_ids) - len(spec.local_block_ids) :]
             for index, region in enumerate(self.regions):
-                array, offset = self._region_array(index)
-                buffer_index = next(i for i, a in enumerate(self.memory_arrays) if a is array)
+                array, offset, buffer_index = self.cache.region_array(index)
                 layout = region.layout
                 for local, ref_block in zip(spec.local_block_ids, remote, strict=True):
                     start = offset + local * layout.block_stride
