@@ -16,6 +16,7 @@ from vllm_ascend_mooncake.connector.busy_wait import (
     busy_wait_cap_from_env,
     cap_busy_wait,
 )
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @pytest.fixture
@@ -31,10 +32,14 @@ def reader_and_writer():
     address = get_open_zmq_ipc_path()
     writer = shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
     reader = shm_broadcast.SpinCondition(is_reader=True, context=context, notify_address=address)
-    deadline = time.monotonic() + 10
-    while not reader.local_notify_socket.poll(50):  # wait out ZMQ's subscription handshake
-        assert time.monotonic() < deadline, "the notification never reached the reader"
+
+    def notified() -> bool:
+        if reader.local_notify_socket.poll(50):
+            return True
         writer.notify()
+        return False
+
+    wait_until(notified, "a notification reaches the reader")  # ZMQ's subscription handshake
     time.sleep(0.05)  # let handshake notifications still in flight arrive, then drop them
     while reader.local_notify_socket.poll(0):
         reader.local_notify_socket.recv()

@@ -11,7 +11,6 @@ transfers work again while those released for the sleep stay refused.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 from test_wiring import BLOCK, BLOCKS, HEADS, LAYERS, _kv_cache, _who, config
@@ -29,6 +28,7 @@ from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 PAGE = HEADS * BLOCK * 8  # floats per block and layer (test_wiring's CONTENT is 8)
 
@@ -87,20 +87,23 @@ class Pair:
                 num_prompt_tokens=len(remote) * BLOCK,
             )
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+
+        def ended() -> dict | None:
             self.decode.receiver.wait_for_news(0.05)
             done, failed = self.decode.receiver.take_finished()
-            if done or failed:
-                return {"done": done, "failed": failed}
-        raise AssertionError(f"pull of {transfer_id} never ended")
+            return {"done": done, "failed": failed} if done or failed else None
+
+        return wait_until(ended, f"the pull of {transfer_id} ends")
 
     def finished_on_prefill(self, wanted: set[str]) -> set[str]:
         seen: set[str] = set()
-        deadline = time.monotonic() + 20
-        while not wanted <= seen and time.monotonic() < deadline:
+
+        def all_seen() -> bool:
             self.tracker.wait_for_news(0.05)
-            seen |= self.tracker.take_finished()
+            seen.update(self.tracker.take_finished())
+            return wanted <= seen
+
+        wait_until(all_seen, f"prefill's tracker reports {sorted(wanted)} finished")
         return seen
 
     def close(self) -> None:

@@ -4,7 +4,6 @@ built prefill and decode sides move real bytes (over the in-process transport, n
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -30,6 +29,7 @@ from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.registration import regions_from_vllm_views
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 def config(prefill_tp: int = 2, decode_tp: int = 1, **extra):
@@ -198,13 +198,14 @@ def test_built_sides_advertise_their_memory_and_move_a_request() -> None:
                 num_prompt_tokens=2 * BLOCK,
             )
         )
-        deadline = time.monotonic() + 10
-        done: set[str] = set()
-        while not done and time.monotonic() < deadline:
+
+        def pulled() -> set[str]:
             decode.receiver.wait_for_news(0.05)
             done, failed = decode.receiver.take_finished()
             assert not failed
-        assert done == {"r-1"}
+            return done
+
+        assert wait_until(pulled, "decode finishes pulling r-1") == {"r-1"}
 
         page = HEADS * BLOCK * CONTENT
         src = prefill_cache.tensors[0].view(LAYERS, BLOCKS, page)
@@ -214,12 +215,11 @@ def test_built_sides_advertise_their_memory_and_move_a_request() -> None:
         assert bool((dst[:, untouched] == -1.0).all())  # nothing else was written
 
         # The read-done notice frees prefill's hold.
-        deadline = time.monotonic() + 10
-        finished: set[str] = set()
-        while not finished and time.monotonic() < deadline:
+        def released() -> set[str]:
             prefill.sender.tracker.wait_for_news(0.05)
-            finished = prefill.sender.tracker.take_finished()
-        assert finished == {"r-1"}
+            return prefill.sender.tracker.take_finished()
+
+        assert wait_until(released, "prefill frees r-1 on the read-done notice") == {"r-1"}
     finally:
         decode.close()
         prefill.close()

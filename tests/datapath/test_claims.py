@@ -31,6 +31,7 @@ from vllm_ascend_mooncake.datapath.wire import (
     encode,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 
@@ -86,10 +87,7 @@ def test_claims_outstanding_at_once_on_one_peer_are_each_answered_by_their_own_r
             f"r{i}": claim(exchange, prefill.port, f"r{i}", check=never_cancelled)
             for i in range(30)
         }
-        deadline = time.monotonic() + 10
-        while len(set(prefill.asked)) < 30:
-            assert time.monotonic() < deadline, f"only {len(set(prefill.asked))} claims arrived"
-            time.sleep(0.01)
+        wait_until(lambda: len(set(prefill.asked)) >= 30, "all 30 claims reach the peer")
         prefill.ready("r1")
         answer = futures["r1"].result(timeout=5)
         assert answer.reply.status == "granted" and answer.reply.block_ids == [1]
@@ -180,7 +178,7 @@ def test_a_claim_its_caller_gave_up_on_ends_within_a_tick_with_the_callers_error
 
     try:
         future = claim(exchange, prefill.port, "cancelled", park_s=20.0, check=check)
-        time.sleep(0.2)
+        wait_until(lambda: "cancelled" in prefill.asked, "the claim reaches prefill's long poll")
         given_up.set()
         with pytest.raises(KeyError, match="cancelled by the caller"):
             future.result(timeout=10 * claims_module.TICK_S + 1)
@@ -194,7 +192,7 @@ def test_close_fails_every_waiting_claim_and_later_claims_at_once() -> None:
     exchange = ClaimExchange(client)
     try:
         waiting = [claim(exchange, prefill.port, f"w{i}", check=never_cancelled) for i in range(5)]
-        time.sleep(0.2)
+        wait_until(lambda: len(set(prefill.asked)) >= 5, "the 5 claims wait on the peer")
         exchange.close()
         for future in waiting:
             with pytest.raises(SideChannelError, match="shutting down"):

@@ -11,6 +11,7 @@ from vllm_ascend_mooncake.datapath.notifier import ReadDoneNotifier
 from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient, SideChannelServer
 from vllm_ascend_mooncake.datapath.wire import Ack, ErrorReply, ReadDone
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 CLIENT_TIMEOUT_S = 0.3
 
@@ -40,13 +41,6 @@ def done(request_id: str) -> ReadDone:
     return ReadDone(request_id=request_id, decode_rank=0, incarnation="i", success=True)
 
 
-def wait_for(condition, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def client():
     client = SideChannelClient(timeout_s=CLIENT_TIMEOUT_S)
@@ -63,7 +57,7 @@ def test_an_unreachable_prefill_is_asked_again_once_it_is_back(client) -> None:
         assert time.monotonic() - started < CLIENT_TIMEOUT_S, "send() must not wait for the peer"
         time.sleep(0.9)  # two attempts went unanswered
         prefill.start()
-        wait_for(lambda: prefill.received == ["r1"])
+        wait_until(lambda: prefill.received == ["r1"], "the notice reaches the restarted prefill")
         time.sleep(1.5)  # delivered: no further attempt
         assert prefill.received == ["r1"]
     finally:
@@ -76,7 +70,10 @@ def test_attempts_are_bounded(client, caplog) -> None:
     notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05)
     try:
         notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
-        wait_for(lambda: "release the blocks at its deadline" in caplog.text)
+        wait_until(
+            lambda: "release the blocks at its deadline" in caplog.text,
+            "the notifier gives up after its last attempt",
+        )
         prefill.start()
         time.sleep(1.0)
         assert prefill.received == [], "the notifier kept trying after its last attempt"
@@ -91,7 +88,7 @@ def test_a_refusal_is_not_repeated(client, caplog) -> None:
     notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.05)
     try:
         notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
-        wait_for(lambda: "unknown incarnation" in caplog.text)
+        wait_until(lambda: "unknown incarnation" in caplog.text, "the refusal is logged")
         time.sleep(0.5)
         assert prefill.received == ["r1"]
     finally:
@@ -108,7 +105,7 @@ def test_notices_to_one_peer_keep_their_order(client) -> None:
             notifier.send("127.0.0.1", prefill.port, 0, done(request_id))
         time.sleep(0.4)
         prefill.start()
-        wait_for(lambda: len(prefill.received) == len(ids))
+        wait_until(lambda: len(prefill.received) == len(ids), "all 8 notices are delivered")
         assert prefill.received == ids
     finally:
         notifier.shutdown()
@@ -130,7 +127,7 @@ def test_dead_peers_never_delay_a_healthy_peers_notice(client) -> None:
                 notifier.send("127.0.0.1", peer.port, 0, done(f"dead-{i}"))
         started = time.monotonic()
         notifier.send("127.0.0.1", healthy.port, 0, done("healthy"))
-        wait_for(lambda: healthy.received == ["healthy"])
+        wait_until(lambda: healthy.received == ["healthy"], "the healthy prefill gets its notice")
         assert time.monotonic() - started < 4 * CLIENT_TIMEOUT_S
     finally:
         notifier.shutdown()
@@ -146,11 +143,11 @@ def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(cli
             notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
         # 3 attempts for the first notice, then 1 for each of the other 4: about 7 timeouts
         # (15 with every notice tried 3 times).
-        wait_for(lambda: not notifier._lanes, timeout_s=30)
+        wait_until(lambda: not notifier._lanes, "the silent peer's backlog drains")
         assert time.monotonic() - started < 11 * CLIENT_TIMEOUT_S
         prefill.start()
         notifier.send("127.0.0.1", prefill.port, 0, done("r5"))
-        wait_for(lambda: prefill.received == ["r5"])
+        wait_until(lambda: prefill.received == ["r5"], "the prefill, now up, gets the next notice")
     finally:
         notifier.shutdown()
         prefill.close()
@@ -165,11 +162,12 @@ def test_lane_threads_leave_no_socket_open_behind_them(client) -> None:
     try:
         for i in range(30):  # 30 bursts, 30 threads
             notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
-            wait_for(lambda i=i: len(prefill.received) == i + 1 and not notifier._lanes)
-        deadline = time.monotonic() + 5
-        while client._all_sockets and time.monotonic() < deadline:
-            time.sleep(0.01)  # the last thread closes its socket as it ends
-        assert not client._all_sockets
+            wait_until(
+                lambda i=i: len(prefill.received) == i + 1 and not notifier._lanes,
+                f"notice r{i} is delivered and its lane thread ends",
+            )
+        # the last thread closes its socket as it ends
+        wait_until(lambda: not client._all_sockets, "every lane thread's socket is closed")
     finally:
         notifier.shutdown()
         prefill.close()

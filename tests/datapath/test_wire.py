@@ -34,6 +34,7 @@ from vllm_ascend_mooncake.datapath.wire import (
     encode,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @pytest.mark.parametrize(
@@ -339,9 +340,7 @@ def test_a_wake_for_one_key_handles_only_the_requests_parked_for_it() -> None:
         raw.connect(f"tcp://127.0.0.1:{port}")
         for i in range(50):
             raw.send_multipart([b"", encode(ClaimRead(f"t-{i}", 0, "i", wait_s=30))])
-        deadline = time.monotonic() + 10
-        while len(handled) < 50 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(handled) >= 50, "the server handles all 50 claims")
         assert len(handled) == 50 and not raw.poll(0)  # all parked
         ready.add("t-7")
         server.wake("t-7")
@@ -350,9 +349,7 @@ def test_a_wake_for_one_key_handles_only_the_requests_parked_for_it() -> None:
         assert isinstance(reply, ClaimReply) and reply.status == "granted"
         assert handled[50:] == ["t-7"]  # the other 49 were not handled again
         server.wake()  # a wake for all handles every parked one again
-        deadline = time.monotonic() + 10
-        while len(handled) < 100 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(handled) >= 100, "the wake for all handles the 49 parked again")
         assert sorted(handled[51:]) == sorted(f"t-{i}" for i in range(50) if i != 7)
     finally:
         raw.close()

@@ -15,6 +15,7 @@ import time
 import httpx
 
 from vllm_ascend_mooncake.launch.deployment import LocalDeployment
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
@@ -100,6 +101,16 @@ def metric(url: str, name: str) -> float:
     return sum(values)
 
 
+def _wait_blocks_freed(url: str, what: str) -> None:
+    """Wait (up to ``RELEASE_BOUND_S``) until the instance at ``url`` holds no KV block."""
+    wait_until(
+        lambda: metric(url, "vllm:kv_cache_usage_perc") <= 0,
+        f"{what} frees every KV block",
+        timeout_s=RELEASE_BOUND_S,
+        interval_s=0.5,
+    )
+
+
 def settled_totals(pd: LocalDeployment) -> dict[str, int]:
     """The deployment's transfer counters once the last engine step's statistics are in: the API
     server records them just after that step's outputs, which a client may already hold."""
@@ -114,10 +125,7 @@ def assert_clean_transfers(pd: LocalDeployment, requests: int) -> None:
     for server in (pd.prefill, pd.decode):
         assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
     for server in (pd.prefill, pd.decode):
-        deadline = time.monotonic() + RELEASE_BOUND_S
-        while metric(server.base_url, "vllm:kv_cache_usage_perc") > 0:
-            assert time.monotonic() < deadline, f"{server.base_url} still holds KV blocks"
-            time.sleep(0.5)
+        _wait_blocks_freed(server.base_url, server.base_url)
     totals = settled_totals(pd)
     logs = f"see {pd.log_dir}"
     assert totals["failed"] == 0, (totals, logs)
@@ -129,10 +137,7 @@ def assert_extra_prefill_clean(url: str, what: str) -> None:
     """A prefill instance beside the deployment's own (which :func:`assert_clean_transfers`
     checks): alive, every block freed within the bound, none released by its timeout."""
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200, what
-    deadline = time.monotonic() + RELEASE_BOUND_S
-    while metric(url, "vllm:kv_cache_usage_perc") > 0:
-        assert time.monotonic() < deadline, f"{what} still holds KV blocks"
-        time.sleep(0.5)
+    _wait_blocks_freed(url, what)
     text = httpx.get(f"{url}/metrics", timeout=30).text
     expired = re.findall(r"^vllm:mooncake_hetero_expired_releases_total\S* (\S+)$", text, re.M)
     assert sum(float(v) for v in expired) == 0, f"{what} released blocks by timeout"

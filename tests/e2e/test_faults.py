@@ -32,6 +32,7 @@ from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployme
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.launch.servers import process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -134,10 +135,9 @@ def usage(url: str) -> float:
 
 
 def wait_no_blocks_in_use(url: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while usage(url) > 0:
-        assert time.monotonic() < deadline, f"{url} still holds KV blocks after {within_s} s"
-        time.sleep(0.5)
+    wait_until(
+        lambda: usage(url) <= 0, f"{url} frees every KV block", timeout_s=within_s, interval_s=0.5
+    )
 
 
 def assert_no_failed_pull_since(pd: LocalDeployment, failed_before: int) -> None:
@@ -300,10 +300,12 @@ def test_decode_that_never_reads_is_released_by_prefill(deployment) -> None:
     pd, _, name, _ = deployment
     for _ in range(2):
         prefill_params(pd, name, OTHER)  # handed off, but no decode instance ever asks
-    deadline = time.monotonic() + 5
-    while usage(pd.prefill.base_url) == 0:  # the gauge is refreshed once per engine step
-        assert time.monotonic() < deadline, "prefill does not hold the handed-off blocks"
-        time.sleep(0.2)
+    wait_until(  # the gauge is refreshed once per engine step
+        lambda: usage(pd.prefill.base_url) != 0,
+        "prefill holds the handed-off blocks",
+        timeout_s=5,
+        interval_s=0.2,
+    )
     wait_no_blocks_in_use(pd.prefill.base_url, RELEASE_TIMEOUT_S + 10)
 
 

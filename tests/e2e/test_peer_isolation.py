@@ -36,6 +36,7 @@ from pd_checks import (
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -144,10 +145,12 @@ def test_a_killed_and_a_frozen_prefill_cost_a_healthy_one_nothing(tmp_path) -> N
             assert totals["expired"] == 0, totals  # the healthy prefill freed by read-done
             assert_extra_prefill_clean(healthy, "the healthy prefill")
             assert metric(decode, "vllm:kv_cache_usage_perc") == 0
-            deadline = time.monotonic() + RELEASE_TIMEOUT_S + RELEASE_BOUND_S
-            while metric(extra["frozen"].base_url, "vllm:kv_cache_usage_perc") > 0:
-                assert time.monotonic() < deadline, "the thawed prefill still holds KV blocks"
-                time.sleep(0.5)
+            wait_until(
+                lambda: metric(extra["frozen"].base_url, "vllm:kv_cache_usage_perc") <= 0,
+                "the thawed prefill frees every KV block (by its release timeout)",
+                timeout_s=RELEASE_TIMEOUT_S + RELEASE_BOUND_S,
+                interval_s=0.5,
+            )
         finally:
             if frozen:
                 os.killpg(extra["frozen"].pid, signal.SIGCONT)

@@ -23,6 +23,7 @@ from vllm_ascend_mooncake.launch.servers import (
     process_group_members,
 )
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 def _has_distribution(name: str) -> bool:
@@ -125,10 +126,12 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
         "time.sleep(600)\n",
     ]
     server.start()
-    deadline = time.monotonic() + 60
-    while len(process_group_members(server.pid)) < 2:
-        assert time.monotonic() < deadline, server.log_tail()
-        time.sleep(0.1)
+
+    def both_run() -> bool:
+        assert server.is_running(), server.log_tail()
+        return len(process_group_members(server.pid)) >= 2
+
+    wait_until(both_run, "the stand-in and its child run", interval_s=0.1)
     started = time.monotonic()
     server.stop(grace_s=1)
     assert process_group_members(server.pid) == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,10 +16,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from vllm_ascend_mooncake.testing.waiting import wait_until
+
 #: What the ``start_proxy`` fixture (conftest.py) gives a test: start a proxy, get a client.
 StartProxy = Callable[..., httpx.Client]
-
-_STARTUP_TIMEOUT_S = 10.0
 
 
 @contextmanager
@@ -40,11 +39,15 @@ def serve_on_loopback(app: Any, port: int = 0) -> Iterator[str]:
         target=server.run, kwargs={"sockets": [listener]}, name=f"uvicorn-{port}", daemon=True
     )
     thread.start()
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server on port {port} did not start")
-        time.sleep(0.01)
+
+    def started() -> bool:
+        if server.started:
+            return True
+        if not thread.is_alive():
+            raise RuntimeError(f"the server on port {port} exited before it started")
+        return False
+
+    wait_until(started, f"the server on port {port} starts", interval_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,6 +29,7 @@ from loopback_server import (
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, CircuitState, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import build_parser
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8}
@@ -36,7 +37,6 @@ BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8}
 NEVER_EXPIRES = EjectionPolicy(base_backoff_s=600, max_backoff_s=600)
 #: Health checks fast enough for a test to see several rounds.
 FAST_CHECKS = {"health_interval_s": 0.2, "health_timeout_s": 2.0}
-WAIT_S = 30.0
 
 
 class FakeClock:
@@ -347,13 +347,6 @@ def instance_metric(proxy: httpx.Client, name: str, role: str, url: str) -> floa
 def entry(proxy: httpx.Client, role: str, url: str) -> dict[str, Any]:
     """The ``/ready`` entry of one instance."""
     return next(e for e in proxy.get("/ready").json()[role] if e["url"] == url)
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {WAIT_S:g} s"
-        time.sleep(0.05)
 
 
 def complete(proxy: httpx.Client) -> httpx.Response:

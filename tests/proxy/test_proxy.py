@@ -27,6 +27,7 @@ from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import main
 from vllm_ascend_mooncake.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -372,10 +373,10 @@ def test_client_leaving_mid_stream_frees_the_decode(fleet: Fleet, proxy: httpx.C
     proxy.close()  # the client hangs up while the decode is still streaming
 
     with httpx.Client(base_url=proxy.base_url, timeout=20, trust_env=False) as observer:
-        deadline = time.monotonic() + 5
-        while observer.get("/ready").json()["decode"][0]["in_flight"] != 0:
-            assert time.monotonic() < deadline, "the proxy still counts the abandoned stream"
-            time.sleep(0.05)
+        wait_until(
+            lambda: observer.get("/ready").json()["decode"][0]["in_flight"] == 0,
+            "the proxy stops counting the abandoned stream",
+        )
 
 
 def test_instances_that_refuse_connections_are_skipped(
@@ -552,15 +553,15 @@ def test_cli_serves_the_proxy(fleet: Fleet) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False) as client:
-            deadline = time.monotonic() + 20
-            while True:
+
+            def health_answer() -> httpx.Response | None:
                 try:
-                    health = client.get("/health")
-                    break
+                    return client.get("/health")
                 except httpx.ConnectError:
                     assert process.poll() is None, process.stdout.read().decode()
-                    assert time.monotonic() < deadline, "vam-proxy did not start in 20 s"
-                    time.sleep(0.1)
+                    return None
+
+            health = wait_until(health_answer, "vam-proxy answers /health", interval_s=0.1)
             completion = client.post(COMPLETIONS, json=CLIENT_BODIES[COMPLETIONS])
     finally:
         process.terminate()
@@ -765,14 +766,14 @@ def test_timeline_lines_carry_the_transfer_id_prefill_holds_the_kv_under(
                 COMPLETIONS, json={**CLIENT_BODIES[COMPLETIONS], "stream": stream}
             )
             assert response.status_code == 200
-        # a stream's line is written when the proxy closes it, just after the client read it all
-        deadline = time.monotonic() + 5
-        while True:
+
+        def timeline_lines() -> list | None:
             records = [parse_timeline_line(r.getMessage()) for r in caplog.records]
             records = [r for r in records if r is not None]
-            if len(records) >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+            return records if len(records) >= 2 else None
+
+        # a stream's line is written when the proxy closes it, just after the client read it all
+        records = wait_until(timeline_lines, "a timeline line for each of the 2 requests")
     serial, overlapped = records
     first_prefill, second_prefill = fleet.prefill_a.generation_requests()
     assert serial["mode"] == "serial"
@@ -814,15 +815,15 @@ def test_metrics_count_legs_failovers_and_in_flight_requests(
         body = {**CLIENT_BODIES[COMPLETIONS], "stream": stream}
         assert proxy.post(COMPLETIONS, json=body).status_code == 200
 
-    deadline = time.monotonic() + 5  # a stream is counted when the proxy closes it
-    while True:
+    def scrape() -> tuple[httpx.Response, dict] | None:
         response = proxy.get("/metrics")
         assert response.status_code == 200
         samples = _samples(response.text)
         done = samples.get(("vam_proxy_leg_seconds_count", (("leg", "total"),)), 0)
-        if done >= 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
+        return (response, samples) if done >= 3 else None
+
+    # a stream is counted when the proxy closes it
+    response, samples = wait_until(scrape, "the proxy counts all 3 requests' total leg")
     assert response.headers["content-type"].startswith("text/plain")
     assert samples[("vam_proxy_requests_total", (("legs", "serial"),))] == 1
     assert samples[("vam_proxy_requests_total", (("legs", "overlapped"),))] == 2

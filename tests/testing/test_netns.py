@@ -21,6 +21,7 @@ import pytest
 
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @contextlib.contextmanager
@@ -70,10 +71,14 @@ def relay_to(upstream_port: int, control: Path, stats: Path) -> Iterator[int]:
         ]
     )
     try:
-        deadline = time.monotonic() + 30
-        while not stats.exists():
-            assert process.poll() is None and time.monotonic() < deadline, "relay did not start"
-            time.sleep(0.05)
+
+        def started() -> bool:
+            if stats.exists():
+                return True
+            assert process.poll() is None, f"the relay exited with code {process.returncode}"
+            return False
+
+        wait_until(started, "the relay writes its stats file")
         yield port
     finally:
         process.kill()
@@ -92,6 +97,11 @@ def round_trip(port: int, payload: bytes) -> tuple[bytes, float]:
     return bytes(received), time.monotonic() - started
 
 
+def read_stats(stats: Path) -> dict:
+    """The relay's counters (it replaces the file whole, about every 100 ms)."""
+    return json.loads(stats.read_text())
+
+
 def test_the_relay_delays_both_directions_and_keeps_every_byte_in_order(tmp_path) -> None:
     control, stats = tmp_path / "delay_ms", tmp_path / "stats.json"
     control.write_text("0")
@@ -100,13 +110,22 @@ def test_the_relay_delays_both_directions_and_keeps_every_byte_in_order(tmp_path
         echoed, _ = round_trip(relay, payload)
         assert echoed == payload + b"bye"  # the half-close went through, the answer came back
         control.write_text("150")
-        time.sleep(0.5)  # the relay polls the control file every 100 ms
+        # The relay polls the control file every 100 ms and writes the delay it took.
+        wait_until(lambda: read_stats(stats)["delay_ms"] == 150, "the relay takes the new delay")
         echoed, seconds = round_trip(relay, b"ping")
         assert echoed == b"pingbye"
         # The ping waits 150 ms out, the echo and the end of stream 150 ms back.
         assert seconds >= 0.3
-        time.sleep(0.5)  # the relay writes its counters every 100 ms
-        counters = json.loads(stats.read_text())
+
+        def both_round_trips_counted() -> dict | None:  # written every 100 ms
+            counters = read_stats(stats)
+            counted = (
+                counters["bytes_to_destination"] >= len(payload) + 4
+                and counters["bytes_to_client"] >= len(payload) + 4 + 2 * 3
+            )
+            return counters if counted else None
+
+        counters = wait_until(both_round_trips_counted, "the relay counts both round trips")
     assert counters["connections"] == 2
     assert counters["bytes_to_destination"] == len(payload) + 4
     assert counters["bytes_to_client"] == len(payload) + 4 + 2 * 3
@@ -116,21 +135,30 @@ def test_the_relay_delays_both_directions_and_keeps_every_byte_in_order(tmp_path
 
 @pytest.mark.netns
 @pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))
-def test_two_emulated_hosts_reach_each_other_only_through_the_slow_link() -> None:
+def test_two_emulated_hosts_reach_each_other_only_through_the_slow_link(tmp_path) -> None:
+    listening = tmp_path / "listening"
     listen = (
-        "import socket,sys; s=socket.create_server((sys.argv[1], 8000)); c,_=s.accept(); "
-        "c.sendall(c.recv(100)); c.close()"
+        "import pathlib,socket,sys; s=socket.create_server((sys.argv[1], 8000)); "
+        "pathlib.Path(sys.argv[2]).touch(); c,_=s.accept(); c.sendall(c.recv(100)); c.close()"
     )
     with TwoHostNetwork() as network:
         prefill, decode = network.prefill, network.decode
         assert prefill.address != decode.address
         server = subprocess.Popen(
-            [*prefill.command_prefix, sys.executable, "-c", listen, prefill.address]
+            [*prefill.command_prefix, sys.executable, "-c", listen, prefill.address, listening]
         )
         try:
             network.set_link(delay_ms=100, rate_mbit=50)
+
+            def server_listens() -> bool:
+                if listening.exists():
+                    return True
+                assert server.poll() is None, f"the server exited with code {server.returncode}"
+                return False
+
+            wait_until(server_listens, "the server in prefill's namespace listens")
             ask = (
-                "import socket,sys,time; time.sleep(1); t=time.monotonic(); "
+                "import socket,sys,time; t=time.monotonic(); "
                 "c=socket.create_connection((sys.argv[1], 8000), timeout=20); c.sendall(b'hi'); "
                 "assert c.recv(100) == b'hi'; print(time.monotonic()-t)"
             )
