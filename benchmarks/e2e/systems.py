@@ -288,6 +288,58 @@ class OursSystem(BenchSystem):
         }
 
 
+class PeerPDSystem(BenchSystem):
+    """A peer connector's P/D pair, prefill and decode, behind its own front process (the proxy
+    or router its documentation pairs it with)."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    front_log: Path
+    front_what: str
+    _front: subprocess.Popen[bytes] | None = None
+
+    @abc.abstractmethod
+    def front_command(self) -> list[str]:
+        """The front process's command line (it serves :attr:`url`)."""
+        ...
+
+    def explain_front_failure(self, error: ServerError) -> ServerError:
+        """What to add when the front process does not come up."""
+        return error
+
+    def start(self, timeout_s: float) -> float:
+        """Like :meth:`LocalDeployment.start`: both instances, then the front process."""
+        started = time.monotonic()
+        start_servers((self.prefill, self.decode), timeout_s)
+        try:
+            self._front = start_helper(
+                self.front_command(),
+                self.front_log,
+                f"{self.url}/health",
+                timeout_s=_PROXY_READY_TIMEOUT_S,
+                cwd=REPO_ROOT,
+                what=self.front_what,
+            )
+        except ServerError as error:
+            raise self.explain_front_failure(error) from error
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        """Like :meth:`LocalDeployment.stop`: the front process, then decode and prefill."""
+        front, self._front = self._front, None
+        stop_all((front,), (self.decode, self.prefill))
+
+    def log_paths(self) -> list[Path]:
+        return [self.prefill.log_path, self.decode.log_path, self.front_log]
+
+    def process_groups(self) -> list[int]:
+        groups = [self.prefill.pid, self.decode.pid]
+        return groups + ([self._front.pid] if self._front is not None else [])
+
+    def instances(self) -> dict[str, str]:
+        return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
+
+
 def vllm_mooncake_config(role: str) -> dict[str, Any]:
     """``--kv-transfer-config`` for vLLM's in-tree connector over TCP."""
     config: dict[str, Any] = {
@@ -301,8 +353,9 @@ def vllm_mooncake_config(role: str) -> dict[str, Any]:
     return config
 
 
-class VllmMooncakeSystem(BenchSystem):
+class VllmMooncakeSystem(PeerPDSystem):
     name = "vllm_mooncake"
+    front_what = "the MooncakeConnector proxy"
 
     def __init__(
         self,
@@ -342,49 +395,32 @@ class VllmMooncakeSystem(BenchSystem):
         )
         self.proxy_port = free_port()
         self.url = f"http://127.0.0.1:{self.proxy_port}"
-        self.proxy_log = self.log_dir / "proxy.log"
-        self._proxy: subprocess.Popen[bytes] | None = None
+        self.front_log = self.log_dir / "proxy.log"
 
     @property
     def bootstrap_url(self) -> str:
         return f"http://127.0.0.1:{self.bootstrap_port}"
 
-    def start(self, timeout_s: float) -> float:
-        """Like :meth:`LocalDeployment.start`, with vLLM's connector and its proxy."""
-        started = time.monotonic()
-        start_servers((self.prefill, self.decode), timeout_s)
-        try:
-            self._proxy = start_helper(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.e2e.mooncake_proxy",
-                    "--port",
-                    str(self.proxy_port),
-                    "--prefill",
-                    self.prefill.base_url,
-                    "--decode",
-                    self.decode.base_url,
-                    "--bootstrap",
-                    self.bootstrap_url,
-                ],
-                self.proxy_log,
-                f"{self.url}/health",
-                timeout_s=_PROXY_READY_TIMEOUT_S,
-                cwd=REPO_ROOT,
-                what="the MooncakeConnector proxy",
-            )
-        except ServerError as error:
-            raise ServerError(
-                f"{error}\n(P, D and P's bootstrap server {self.bootstrap_url}/query must "
-                f"answer); prefill log tail:\n{self.prefill.log_tail(3000)}"
-            ) from error
-        return time.monotonic() - started
+    def front_command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.e2e.mooncake_proxy",
+            "--port",
+            str(self.proxy_port),
+            "--prefill",
+            self.prefill.base_url,
+            "--decode",
+            self.decode.base_url,
+            "--bootstrap",
+            self.bootstrap_url,
+        ]
 
-    def stop(self) -> None:
-        """Like :meth:`LocalDeployment.stop`: the proxy, then decode and prefill."""
-        proxy, self._proxy = self._proxy, None
-        stop_all((proxy,), (self.decode, self.prefill))
+    def explain_front_failure(self, error: ServerError) -> ServerError:
+        return ServerError(
+            f"{error}\n(P, D and P's bootstrap server {self.bootstrap_url}/query must "
+            f"answer); prefill log tail:\n{self.prefill.log_tail(3000)}"
+        )
 
     def proxy_stats(self) -> dict[str, Any] | None:
         """The proxy's count of failed prefill legs (None if it cannot be asked)."""
@@ -403,16 +439,6 @@ class VllmMooncakeSystem(BenchSystem):
             mean_time_key="Avg xfer time (ms)",
         )
 
-    def log_paths(self) -> list[Path]:
-        return [self.prefill.log_path, self.decode.log_path, self.proxy_log]
-
-    def process_groups(self) -> list[int]:
-        groups = [self.prefill.pid, self.decode.pid]
-        return groups + ([self._proxy.pid] if self._proxy is not None else [])
-
-    def instances(self) -> dict[str, str]:
-        return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
-
 
 def nixl_config() -> dict[str, Any]:
     """``--kv-transfer-config`` for vLLM's NixlConnector on CPU: KV read from host memory
@@ -427,11 +453,12 @@ def nixl_config() -> dict[str, Any]:
     }
 
 
-class NixlSystem(BenchSystem):
+class NixlSystem(PeerPDSystem):
     """vLLM's NixlConnector P/D on CPU behind ``vllm-router --vllm-pd-disaggregation
     --kv-connector nixl`` (the router its documentation pairs it with)."""
 
     name = "nixl"
+    front_what = "vllm-router"
 
     def __init__(
         self,
@@ -465,39 +492,25 @@ class NixlSystem(BenchSystem):
         self.prefill, self.decode = servers
         self.router_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
-        self.router_log = self.log_dir / "router.log"
-        self._router: subprocess.Popen[bytes] | None = None
+        self.front_log = self.log_dir / "router.log"
 
-    def start(self, timeout_s: float) -> float:
-        started = time.monotonic()
-        start_servers((self.prefill, self.decode), timeout_s)
-        self._router = start_helper(
-            [
-                str(Path(sys.executable).parent / "vllm-router"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.router_port),
-                "--vllm-pd-disaggregation",
-                "--kv-connector",
-                "nixl",
-                "--prefill",
-                self.prefill.base_url,
-                "--decode",
-                self.decode.base_url,
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            self.router_log,
-            f"{self.url}/health",
-            timeout_s=_PROXY_READY_TIMEOUT_S,
-            what="vllm-router",
-        )
-        return time.monotonic() - started
-
-    def stop(self) -> None:
-        router, self._router = self._router, None
-        stop_all((router,), (self.decode, self.prefill))
+    def front_command(self) -> list[str]:
+        return [
+            str(Path(sys.executable).parent / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.router_port),
+            "--vllm-pd-disaggregation",
+            "--kv-connector",
+            "nixl",
+            "--prefill",
+            self.prefill.base_url,
+            "--decode",
+            self.decode.base_url,
+            "--prometheus-port",
+            str(free_port()),
+        ]
 
     def transfer_check(self) -> TransferCheck:
         # Decode reads (NIXL pull): successes and failures are logged on decode.
@@ -507,13 +520,3 @@ class NixlSystem(BenchSystem):
             {"prefill": self.prefill.log_path, "decode": self.decode.log_path},
             mean_time_key="Avg xfer time (ms)",
         )
-
-    def log_paths(self) -> list[Path]:
-        return [self.prefill.log_path, self.decode.log_path, self.router_log]
-
-    def process_groups(self) -> list[int]:
-        groups = [self.prefill.pid, self.decode.pid]
-        return groups + ([self._router.pid] if self._router is not None else [])
-
-    def instances(self) -> dict[str, str]:
-        return {"prefill": self.prefill.base_url, "decode": self.decode.base_url}
