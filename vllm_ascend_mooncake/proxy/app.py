@@ -18,13 +18,13 @@ of a prefill instance gets a leg, :mod:`.prefill_ranks`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import continuation
 from .balancer import Balancer, EjectionPolicy
+from .client_request import ClientRequest
 from .continuation import FIRST_TOKEN_HEADER, FIRST_TOKEN_SOURCES, FROM_DECODE, FROM_PREFILL
 from .continued import ContinuedLegs
 from .errors import (
@@ -142,11 +143,13 @@ class DisaggregatingProxy:
                 headers[name] = request.headers[name]
         routing = asyncio.create_task(
             self._route(
-                path,
-                headers,
-                client_body,
-                request_id,
-                RequestTrace({"received": received}, metrics=self.metrics),
+                ClientRequest(
+                    path,
+                    headers,
+                    client_body,
+                    request_id,
+                    RequestTrace({"received": received}, metrics=self.metrics),
+                ),
                 first_token=request.headers.get(FIRST_TOKEN_HEADER, self.first_token).lower(),
             )
         )
@@ -179,18 +182,14 @@ class DisaggregatingProxy:
 
     async def _route(
         self,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
         first_token: str = FROM_DECODE,
     ) -> Response:
         try:
             if first_token == FROM_PREFILL:
-                reason = continuation.blocker(path, client_body)
+                reason = continuation.blocker(request.path, request.body)
                 if reason is None:
-                    return await self.continued.route(path, headers, client_body, request_id, trace)
+                    return await self.continued.route(request)
             else:
                 reason = "asked" if first_token == FROM_DECODE else f"header {first_token!r}"
             self.metrics.decode_first_tokens.labels(reason).inc()
@@ -199,14 +198,13 @@ class DisaggregatingProxy:
                 choice = self.legs.prefill_ranks.choose(prefill_upstream.url)
                 # An ejected best prefill (every one is) would likely waste the decode leg.
                 if choice.address is not None and self.prefill.is_healthy(prefill_upstream):
-                    overlapped = await self.legs.overlapped(
-                        prefill_upstream, choice, path, headers, client_body, request_id, trace
-                    )
+                    overlapped = await self.legs.overlapped(prefill_upstream, choice, request)
                     if overlapped is not None:
                         return overlapped
                     # the serial retry starts its own stamps
-                    trace = RequestTrace(dict(trace.stamps), metrics=self.metrics)
-            return await self.legs.serial(path, headers, client_body, request_id, trace)
+                    retry_trace = RequestTrace(dict(request.trace.stamps), metrics=self.metrics)
+                    request = dataclasses.replace(request, trace=retry_trace)
+            return await self.legs.serial(request)
         except (UpstreamUnreachable, httpx.HTTPError) as error:
             return upstream_failure_response(error, self.timeout_s)
 

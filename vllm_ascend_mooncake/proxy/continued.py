@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import continuation
 from .balancer import Upstream
+from .client_request import ClientRequest
 from .continuation import FirstToken
 from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
 from .legs import Legs
@@ -32,7 +33,6 @@ from .payloads import (
 from .prefill_ranks import RankChoice
 from .splice import DONE, ContinuationMismatch, Splice, error_event
 from .token_texts import TokenTexts
-from .trace import RequestTrace
 from .upstreams import REQUEST_ID_HEADER, UpstreamStreamResponse, passthrough
 
 logger = logging.getLogger(__name__)
@@ -131,37 +131,35 @@ class ContinuedLegs:
 
     async def route(
         self,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> Response:
         """Prefill's token to the client at once; then decode continues from it (the module
         docstring of :mod:`.continuation`)."""
-        trace.mode = "continued"
-        trace.mark("prefill_sent")
-        streamed_leg = await self._streamed_prefill(path, headers, client_body, request_id, trace)
+        request.trace.mode = "continued"
+        request.trace.mark("prefill_sent")
+        streamed_leg = await self._streamed_prefill(request)
         if isinstance(streamed_leg, Response):
             return streamed_leg
         if streamed_leg is not None:
             prefill_upstream, first, params = streamed_leg
         else:
             prefill_upstream, prefill_response = await self.legs.fetch_prefill(
-                path, headers, continuation.prefill_body(client_body)
+                request.path, request.headers, continuation.prefill_body(request.body)
             )
-            trace.mark("prefill_answered")
+            request.trace.mark("prefill_answered")
             if not prefill_response.is_success:
-                return self.legs.prefill_failed(prefill_upstream, prefill_response, request_id)
+                return self.legs.prefill_failed(
+                    prefill_upstream, prefill_response, request.request_id
+                )
             try:
-                first = continuation.first_token(path, prefill_response.content)
+                first = continuation.first_token(request.path, prefill_response.content)
                 params = kv_transfer_params_from_prefill(prefill_response.content)
             except InvalidPrefillResponse as error:
-                return self.legs.invalid_prefill(prefill_upstream, path, error)
-            if params is not None or first is None or not first.ends_answer(client_body):
+                return self.legs.invalid_prefill(prefill_upstream, request.path, error)
+            if params is not None or first is None or not first.ends_answer(request.body):
                 # an answer its token ended holds nothing by design: no news of the address
                 self.legs.prefill_ranks.learn(prefill_upstream.url, params)
-        ends_answer = first is not None and first.ends_answer(client_body)
+        ends_answer = first is not None and first.ends_answer(request.body)
         reason = None
         if first is None:
             reason = "no token ids from prefill"
@@ -172,49 +170,49 @@ class ContinuedLegs:
         ):
             reason = "chat on vLLM before 0.30"  # its decode would render the messages
         elif not ends_answer and not await self.token_texts.whole_characters(
-            prefill_upstream.url, client_body.get("model"), first.token_ids[-1]
+            prefill_upstream.url, request.body.get("model"), first.token_ids[-1]
         ):
             reason = "partial character"  # decode's prompt would end in one (.token_texts)
         if reason is not None:
             # Decode samples the first token again from the KV prefill holds.
             self.legs.metrics.decode_first_tokens.labels(reason).inc()
-            trace.mode = "serial"
-            return await self.legs.decode_after(
-                prefill_upstream, params, path, headers, client_body, request_id, trace
-            )
+            request.trace.mode = "serial"
+            return await self.legs.decode_after(prefill_upstream, params, request)
         assert first is not None
-        splice = Splice(first, client_body)
-        streamed = client_body.get("stream") is True
+        splice = Splice(first, request.body)
+        streamed = request.body.get("stream") is True
         if ends_answer:
-            trace.mark("first_chunk")
-            trace.emit()
+            request.trace.mark("first_chunk")
+            request.trace.emit()
             if streamed:
                 return StreamingResponse(
                     _iterate(splice.opening_events(ends_answer=True)),
                     media_type="text/event-stream",
-                    headers={REQUEST_ID_HEADER: request_id},
+                    headers={REQUEST_ID_HEADER: request.request_id},
                 )
-            return JSONResponse(splice.prefill_answer(), headers={REQUEST_ID_HEADER: request_id})
+            return JSONResponse(
+                splice.prefill_answer(), headers={REQUEST_ID_HEADER: request.request_id}
+            )
         assert params is not None
-        trace.transfer_id = params.get("remote_request_id")
+        request.trace.transfer_id = params.get("remote_request_id")
 
         def decode_leg() -> asyncio.Task:
-            trace.mark("decode_sent")
+            request.trace.mark("decode_sent")
             return asyncio.create_task(
                 self.legs.until_answered(
                     self.legs.keep_hold(params),
                     self.legs.upstreams.open(
                         self.legs.decode,
                         "POST",
-                        path,
-                        headers,
-                        continuation.decode_body(client_body, first),
+                        request.path,
+                        request.headers,
+                        continuation.decode_body(request.body, first),
                     ),
                 )
             )
 
         if streamed:
-            return self._stream(splice, decode_leg, request_id, trace)
+            return self._stream(splice, decode_leg, request)
         leg = decode_leg()
         try:
             decode_upstream, decode_response = await leg
@@ -222,24 +220,22 @@ class ContinuedLegs:
             leg.cancel()
             raise
         await self.legs.upstreams.read_all(self.legs.decode, decode_upstream, decode_response)
-        trace.mark("decode_answered")
-        trace.emit()
+        request.trace.mark("decode_answered")
+        request.trace.emit()
         if not decode_response.is_success:
-            return passthrough(decode_response, request_id)
+            return passthrough(decode_response, request.request_id)
         try:
             answer = splice.merge(json.loads(decode_response.content))
         except (ValueError, ContinuationMismatch) as error:
-            logger.error("request %s: decode %s: %s", request_id, decode_upstream.url, error)
+            logger.error(
+                "request %s: decode %s: %s", request.request_id, decode_upstream.url, error
+            )
             return error_response(502, f"decode {decode_upstream.url}: {error}", "BadGatewayError")
-        return JSONResponse(answer, headers={REQUEST_ID_HEADER: request_id})
+        return JSONResponse(answer, headers={REQUEST_ID_HEADER: request.request_id})
 
     async def _streamed_prefill(
         self,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> tuple[Upstream, FirstToken | None, dict[str, Any] | None] | Response | None:
         """The prefill leg streamed, where the proxy knows where the best prefill engine serves
         its KV (a first answer taught it; data-parallel instances are read whole instead):
@@ -255,19 +251,19 @@ class ContinuedLegs:
             return None
         if not legs.prefill.is_healthy(upstream):
             return None
-        transfer_id = new_transfer_id(request_id)
-        body = continuation.prefill_body(client_body, transfer_id, stream=True)
+        transfer_id = new_transfer_id(request.request_id)
+        body = continuation.prefill_body(request.body, transfer_id, stream=True)
         legs.prefill_ranks.started(upstream.url, choice)
         try:
             response = await legs.upstreams.open_on(
-                legs.prefill, upstream, "POST", path, choice.headers(headers), body
+                legs.prefill, upstream, "POST", request.path, choice.headers(request.headers), body
             )
         except NO_ANSWER_FAILURES as error:
             legs.prefill_ranks.finished(upstream.url, choice)
             legs.prefill_ranks.forget(upstream.url)
             logger.warning(
                 "request %s: prefill %s failed before answering (%s); asking again",
-                request_id,
+                request.request_id,
                 upstream.url,
                 error,
             )
@@ -281,23 +277,23 @@ class ContinuedLegs:
                 await response.aread()
             finally:
                 await reader.close()
-            return legs.prefill_failed(upstream, response, request_id)
+            return legs.prefill_failed(upstream, response, request.request_id)
         try:
             chunks = await reader.until_token()
         except (httpx.HTTPError, ValueError) as error:
             await reader.close()
-            return legs.invalid_prefill(upstream, path, error)
-        trace.mark("prefill_answered")
+            return legs.invalid_prefill(upstream, request.path, error)
+        request.trace.mark("prefill_answered")
         error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
         if error is not None:
             await reader.close()
-            return legs.invalid_prefill(upstream, path, ValueError(json.dumps(error)[:500]))
+            return legs.invalid_prefill(upstream, request.path, ValueError(json.dumps(error)[:500]))
         held = "kv_transfer_params" in body
         held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
-        first = continuation.first_token_from_stream(path, chunks, held_at)
-        if first is not None and first.ends_answer(client_body):
+        first = continuation.first_token_from_stream(request.path, chunks, held_at)
+        if first is not None and first.ends_answer(request.body):
             chunks += await reader.drain()  # its usage chunk: the whole answer's usage
-            first = continuation.first_token_from_stream(path, chunks, held_at)
+            first = continuation.first_token_from_stream(request.path, chunks, held_at)
         else:
             reader.drain_later()
         return upstream, first, first.kv_transfer_params if first is not None else held_at
@@ -306,13 +302,13 @@ class ContinuedLegs:
         self,
         splice: Splice,
         start_decode_leg: Callable[[], asyncio.Task],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> Response:
         """The client's stream of a continued request: prefill's token, then decode's events
         rewritten by :class:`.splice.DecodeStream`. The decode leg starts once the token is on
         its way (nothing delays it); one that fails once the stream began ends it with an error
         event."""
+        request_id, trace = request.request_id, request.trace
         legs: list[asyncio.Task] = []
 
         async def events() -> AsyncIterator[bytes]:

@@ -19,6 +19,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response
 
 from .balancer import Balancer, Upstream
+from .client_request import ClientRequest
 from .errors import NO_ANSWER_FAILURES, error_response
 from .holds import HoldKeeper
 from .metrics import ProxyMetrics
@@ -34,7 +35,6 @@ from .payloads import (
     same_endpoint,
 )
 from .prefill_ranks import PrefillRanks, RankChoice
-from .trace import RequestTrace
 from .upstreams import UpstreamClient, passthrough
 
 logger = logging.getLogger(__name__)
@@ -119,106 +119,100 @@ class Legs:
 
     async def serial(
         self,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> Response:
         """Prefill first; then decode, with the block ids prefill answered."""
-        trace.mark("prefill_sent")
+        request.trace.mark("prefill_sent")
         prefill_upstream, prefill_response = await self.fetch_prefill(
-            path, headers, prefill_body(client_body)
+            request.path, request.headers, prefill_body(request.body)
         )
-        trace.mark("prefill_answered")
+        request.trace.mark("prefill_answered")
         if not prefill_response.is_success:
-            return self.prefill_failed(prefill_upstream, prefill_response, request_id)
+            return self.prefill_failed(prefill_upstream, prefill_response, request.request_id)
         try:
             kv_transfer_params = self.prefill_params(prefill_upstream, prefill_response)
         except InvalidPrefillResponse as error:
-            return self.invalid_prefill(prefill_upstream, path, error)
+            return self.invalid_prefill(prefill_upstream, request.path, error)
         if kv_transfer_params is None:
             logger.warning(
                 "request %s: prefill %s returned no kv_transfer_params; the decode instance "
                 "will recompute the prompt",
-                request_id,
+                request.request_id,
                 prefill_upstream.url,
             )
-        return await self.decode_after(
-            prefill_upstream, kv_transfer_params, path, headers, client_body, request_id, trace
-        )
+        return await self.decode_after(prefill_upstream, kv_transfer_params, request)
 
     async def decode_after(
         self,
         prefill_upstream: Upstream,
         kv_transfer_params: dict[str, Any] | None,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> Response:
         """The client's request on decode, with the KV prefill answered it holds; relayed."""
         if kv_transfer_params is not None:
-            trace.transfer_id = kv_transfer_params.get("remote_request_id")
-        trace.mark("decode_sent")
+            request.trace.transfer_id = kv_transfer_params.get("remote_request_id")
+        request.trace.mark("decode_sent")
         keeping = self.keep_hold(kv_transfer_params)
         decode_upstream, decode_response = await self.until_answered(
             keeping,
             self.upstreams.open(
-                self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+                self.decode,
+                "POST",
+                request.path,
+                request.headers,
+                decode_body(request.body, kv_transfer_params),
             ),
         )
-        trace.mark("decode_answered")
+        request.trace.mark("decode_answered")
         logger.debug(
             "request %s: %s prefilled on %s, decoding on %s",
-            request_id,
-            path,
+            request.request_id,
+            request.path,
             prefill_upstream.url,
             decode_upstream.url,
         )
         return await self.upstreams.relay(
-            self.decode, decode_upstream, decode_response, request_id, trace
+            self.decode, decode_upstream, decode_response, request.request_id, request.trace
         )
 
     async def overlapped(
         self,
         prefill_upstream: Upstream,
         choice: RankChoice,
-        path: str,
-        headers: dict[str, str],
-        client_body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
+        request: ClientRequest,
     ) -> Response | None:
         """Both legs at once; None when prefill cannot be reached (the caller goes serial)."""
-        transfer_id = new_transfer_id(request_id)
+        transfer_id = new_transfer_id(request.request_id)
         assert choice.address is not None
         decode_params = overlapped_decode_params(choice.address, transfer_id)
-        trace.transfer_id, trace.mode = transfer_id, "overlapped"
-        trace.mark("decode_sent")
-        trace.mark("prefill_sent")
+        request.trace.transfer_id, request.trace.mode = transfer_id, "overlapped"
+        request.trace.mark("decode_sent")
+        request.trace.mark("prefill_sent")
         decode_leg = asyncio.create_task(
             self.upstreams.open(
-                self.decode, "POST", path, headers, decode_body(client_body, decode_params)
+                self.decode,
+                "POST",
+                request.path,
+                request.headers,
+                decode_body(request.body, decode_params),
             )
         )
         try:
             prefill_response = await self.prefill_leg(
                 prefill_upstream,
                 choice,
-                path,
-                headers,
-                overlapped_prefill_body(client_body, transfer_id),
+                request.path,
+                request.headers,
+                overlapped_prefill_body(request.body, transfer_id),
             )
-            trace.mark("prefill_answered")
+            request.trace.mark("prefill_answered")
         except NO_ANSWER_FAILURES as error:
             await self.abandon(decode_leg)
             self.prefill_ranks.forget(prefill_upstream.url)
             self.metrics.serial_fallbacks.inc()
             logger.warning(
                 "request %s: prefill %s failed before answering (%s); going serial",
-                request_id,
+                request.request_id,
                 prefill_upstream.url,
                 error,
             )
@@ -228,12 +222,12 @@ class Legs:
             raise
         if not prefill_response.is_success:
             await self.abandon(decode_leg)
-            return self.prefill_failed(prefill_upstream, prefill_response, request_id)
+            return self.prefill_failed(prefill_upstream, prefill_response, request.request_id)
         try:
             kv_transfer_params = self.prefill_params(prefill_upstream, prefill_response)
         except InvalidPrefillResponse as error:
             await self.abandon(decode_leg)
-            return self.invalid_prefill(prefill_upstream, path, error)
+            return self.invalid_prefill(prefill_upstream, request.path, error)
         held_id = (kv_transfer_params or {}).get("remote_request_id")
         held_at = prefill_address(kv_transfer_params)
         if held_id != transfer_id or not same_endpoint(held_at, choice.address):
@@ -245,33 +239,37 @@ class Legs:
             logger.warning(
                 "request %s: prefill %s held the KV %s; sending the decode leg again with what "
                 "it returned",
-                request_id,
+                request.request_id,
                 prefill_upstream.url,
                 f"under {held_id!r}, not transfer id {transfer_id}"
                 if held_id != transfer_id
                 else f"at {held_at}, not at {choice.address} as decode was told",
             )
-            trace.transfer_id = (kv_transfer_params or {}).get("remote_request_id")
-            trace.mode = "resent"
+            request.trace.transfer_id = (kv_transfer_params or {}).get("remote_request_id")
+            request.trace.mode = "resent"
             self.metrics.decode_resends.inc()
             decode_leg = asyncio.create_task(
                 self.upstreams.open(
-                    self.decode, "POST", path, headers, decode_body(client_body, kv_transfer_params)
+                    self.decode,
+                    "POST",
+                    request.path,
+                    request.headers,
+                    decode_body(request.body, kv_transfer_params),
                 )
             )
         keeping = self.keep_hold(kv_transfer_params)
         decode_upstream, decode_response = await self.until_answered(keeping, decode_leg)
-        trace.mark("decode_answered")
+        request.trace.mark("decode_answered")
         logger.debug(
             "request %s: %s prefilled on %s alongside decode on %s (transfer %s)",
-            request_id,
-            path,
+            request.request_id,
+            request.path,
             prefill_upstream.url,
             decode_upstream.url,
             transfer_id,
         )
         return await self.upstreams.relay(
-            self.decode, decode_upstream, decode_response, request_id, trace
+            self.decode, decode_upstream, decode_response, request.request_id, request.trace
         )
 
     def keep_hold(self, kv_transfer_params: dict[str, Any] | None) -> asyncio.Task | None:
