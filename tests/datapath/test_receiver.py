@@ -573,6 +573,7 @@ class QueuedFixupMemory(LocalMemory):
 @pytest.fixture
 def queued_fixups(monkeypatch):
     """The receiver's fix-ups queue on a :class:`QueuedFixupMemory` instead of running."""
+    from vllm_ascend_mooncake.datapath import copy_overlap as copy_module
     from vllm_ascend_mooncake.datapath import receiver as receiver_module
 
     def queueing(run_now):
@@ -584,8 +585,8 @@ def queued_fixups(monkeypatch):
 
         return queue
 
-    for name in ("apply_row_copies", "apply_swaps"):
-        monkeypatch.setattr(receiver_module, name, queueing(getattr(receiver_module, name)))
+    for module, name in ((copy_module, "apply_row_copies"), (receiver_module, "apply_swaps")):
+        monkeypatch.setattr(module, name, queueing(getattr(module, name)))
 
 
 def test_staged_row_copies_run_before_the_next_read_reuses_the_staging_area(
@@ -609,6 +610,51 @@ def test_staged_row_copies_run_before_the_next_read_reuses_the_staging_area(
         assert decode.transport.num_reads >= 3  # the staging area was reused
         assert decode.memory.queued == []  # nothing left queued when reported
         decode.check_blocks(c.ref, local, remote)
+
+
+@pytest.mark.parametrize("staging_bytes,overlapped", [(2048, True), (1024, False)])
+def test_copies_out_of_staging_run_while_the_next_batch_is_read_where_it_lands_apart(
+    cluster, monkeypatch, staging_bytes, overlapped
+) -> None:
+    """Two prefill blocks of staging: batches land in its halves in turn, and a batch's copies
+    run while the next one is read. One block: every read lands on the bytes the previous
+    copies read, so it waits for them (slow copies would otherwise see the next block's bytes).
+    """
+    from vllm_ascend_mooncake.datapath import copy_overlap as copy_module
+
+    spans: dict[str, list[tuple[float, float]]] = {"copy": [], "read": []}
+    watched: list[object] = []  # decode rank 0's memory: the other ranks copy too
+
+    def timed(kind, run, delay_s):
+        def wrapper(*args, **kwargs):
+            started = time.monotonic()
+            time.sleep(delay_s)  # before the bytes move: a read that did not wait lands first
+            run(*args, **kwargs)
+            if kind == "read" or args[0] in watched:
+                spans[kind].append((started, time.monotonic()))
+
+        return wrapper
+
+    monkeypatch.setattr(
+        copy_module, "apply_row_copies", timed("copy", copy_module.apply_row_copies, 0.1)
+    )
+    c = cluster(4, prefill_tp=2, decode_tp=4, token_major=True, staging_bytes=staging_bytes)
+    decode = c.decode[0]
+    watched.append(decode.memory)
+    decode.transport.read = timed("read", decode.transport.read, 0.02)
+    local, remote = [5, 0, 6, 9], [1, 8, 9, 3]
+    c.pull("r1", local, remote)
+    for d in c.decode:
+        d.wait(["r1"])
+        assert d.done == {"r1"} and not d.failed
+        d.check_blocks(c.ref, local, remote)
+    assert len(spans["read"]) >= 4  # one prefill block per batch at most
+    concurrent = any(
+        c_start < r_end and r_start < c_end
+        for c_start, c_end in spans["copy"]
+        for r_start, r_end in spans["read"]
+    )
+    assert concurrent == overlapped, spans
 
 
 def test_swaps_have_run_when_a_merged_pull_is_reported(cluster, queued_fixups) -> None:

@@ -67,8 +67,10 @@ def stage_batches(
 ) -> list[TransferBatch]:
     """Pack staged reads into batches that fit the staging area and the descriptor cap.
 
-    A batch's staging bytes are reused by the next batch, so its row copies must run (the
-    receiver does) before the next batch is issued. A staged read spans at most
+    Where the area holds two of the largest units, consecutive batches land in its two halves in
+    turn, so that one batch's row copies can run while the next batch is read (the receiver
+    overlaps them where :func:`copies_must_finish_first` allows); otherwise every batch reuses
+    the whole area and its copies must run before the next read. A staged read spans at most
     ``max_descriptor_bytes`` (whole prefill blocks, at least one), as direct reads do.
     """
     if staging is None:
@@ -98,24 +100,27 @@ def stage_batches(
         lengths.clear()
         copies.clear()
 
+    largest = max((run.block_len for run in runs), default=0)
+    if largest > staging.capacity:
+        raise PlanError(
+            f"staging area of {staging.capacity} B (the staging buffer, split between the "
+            f"prefill ranks a request reads in parallel) cannot hold one prefill block of "
+            f"{largest} B; raise kv_connector_extra_config['staging_buffer_mib']"
+        )
+    halves = 2 if staging.capacity >= 2 * largest else 1
+    capacity = staging.capacity // halves
     used = 0
     for run in runs:
-        if run.block_len > staging.capacity:
-            raise PlanError(
-                f"staging area of {staging.capacity} B (the staging buffer, split between the "
-                f"prefill ranks a request reads in parallel) cannot hold one prefill block of "
-                f"{run.block_len} B; raise kv_connector_extra_config['staging_buffer_mib']"
-            )
         done = 0
         while done < run.num_blocks:
-            fit = min(run.num_blocks - done, (staging.capacity - used) // run.block_len)
+            fit = min(run.num_blocks - done, (capacity - used) // run.block_len)
             if options.max_descriptor_bytes:
                 fit = min(fit, max(1, options.max_descriptor_bytes // run.block_len))
             if fit == 0 or len(local) == options.max_descriptors_per_batch:
                 flush()
                 used = 0
                 continue
-            staged_at = staging.base + used
+            staged_at = staging.base + (len(batches) % halves) * capacity + used
             local.append(staged_at)
             remote.append(run.remote_addr + done * run.block_len)
             lengths.append(fit * run.block_len)
@@ -132,3 +137,38 @@ def staging_share(staging: StagingArea | None, index: int, count: int) -> Stagin
         return staging
     size = staging.capacity // count
     return StagingArea(staging.base + index * size, size)
+
+
+def copies_must_finish_first(landed: TransferBatch, following: TransferBatch) -> bool:
+    """Whether ``following``'s read must wait for the row copies of ``landed`` (a batch that
+    landed before it): it would write bytes those copies still read or write. Conservative:
+    each copy pair counts as the whole span from its first byte to its last."""
+    if not landed.after_landing or not len(following):
+        return False
+    starts = following.local_addrs
+    ends = starts + following.lengths
+    for group in landed.after_landing:
+        extent = group.row_bytes + (group.rows - 1) * group.src_stride
+        extent += (group.planes - 1) * group.src_plane_stride
+        if _overlap(group.src_addrs, group.src_addrs + extent, starts, ends):
+            return True
+        extent = group.row_bytes + (group.rows - 1) * group.dst_stride
+        extent += (group.planes - 1) * group.dst_plane_stride
+        if _overlap(group.dst_addrs, group.dst_addrs + extent, starts, ends):
+            return True
+    return False
+
+
+def _overlap(
+    starts_a: np.ndarray, ends_a: np.ndarray, starts_b: np.ndarray, ends_b: np.ndarray
+) -> bool:
+    """Whether any interval ``[starts_a[i], ends_a[i])`` meets any ``[starts_b[j], ends_b[j])``."""
+    if not len(starts_a) or not len(starts_b):
+        return False
+    order = np.argsort(starts_b, kind="stable")
+    sorted_starts = starts_b[order]
+    reach = np.maximum.accumulate(ends_b[order])  # furthest end among intervals starting so far
+    # for each interval of a: those of b that start before it ends; does one end after it starts
+    before = np.searchsorted(sorted_starts, ends_a, side="left")
+    has_any = before > 0
+    return bool(np.any(reach[np.maximum(before - 1, 0)][has_any] > starts_a[has_any]))

@@ -43,7 +43,7 @@ from ..core.plan import (
     plan_request,
     request_needs_staging,
 )
-from ..core.relayout import LocalMemory, apply_row_copies, apply_swaps
+from ..core.relayout import LocalMemory, apply_swaps
 from ..core.topology import TransferTopology, request_seed
 from ..defaults import (
     DEFAULT_CLAIM_PARK_S,
@@ -58,6 +58,7 @@ from ..defaults import (
 from ..log import get_logger
 from ..timeline import PullTimeline
 from .claims import ClaimExchange
+from .copy_overlap import CopyOverlap
 from .failures import FailureKind, PullCancelled, PullError, as_pull_error
 from .lanes import FifoLane
 from .leases import LeasedPeer, Leases, LeaseTerms, agreed_block_ids, check_same_tp
@@ -223,6 +224,7 @@ class Receiver:
         self._options = options or ReceiverOptions()
         self._staging = staging
         self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
+        self._copies = CopyOverlap(memory, self._options.num_threads)
         # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
         # so that it can neither block the reads that free staging buffers nor queue behind a
         # dead peer's timeouts on one thread, hence more threads than for reads.
@@ -359,6 +361,7 @@ class Receiver:
         self._claims.close()  # claims still waiting fail now, their pulls on planning threads
         self._prepare_pool.shutdown(wait=True, cancel_futures=False)
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._copies.shutdown()
         self._notifier.shutdown()
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -606,14 +609,13 @@ class Receiver:
         self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
             self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
-        for batch in peer_plan.batches:
+
+        def read(batch: TransferBatch) -> None:
             self._read_batch(peer.transport_session, batch)
             if self._options.verify_reads:
                 self._verify_batch(pull, peer, batch)
-            if batch.after_landing:
-                apply_row_copies(self._memory, batch.after_landing)
-                # The next batch's read reuses the staging bytes these copies read.
-                self._memory.fence()
+
+        self._copies.read_all(peer_plan.batches, read)
         lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
         if time.monotonic() > lease_end:
             raise PullError(

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..core.layout import BlockOrder, ChunkPacking, Region, RegionLayout, RowGroup
 from ..core.plan_types import RequestPlan, RowCopies, SwapAxes, TransferBatch
+from ..core.staging import copies_must_finish_first
 
 
 def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> list[int]:
@@ -248,10 +249,14 @@ class AddressSpace:
         )
 
 
-def execute_batch(local: AddressSpace, remote: AddressSpace, batch: TransferBatch) -> None:
-    """Read each descriptor remote -> local, then run the batch's row copies."""
+def read_batch(local: AddressSpace, remote: AddressSpace, batch: TransferBatch) -> None:
+    """Read each descriptor remote -> local."""
     for dst, src, length in zip(batch.local_addrs, batch.remote_addrs, batch.lengths, strict=True):
         local.view(int(dst), int(length))[:] = remote.view(int(src), int(length))
+
+
+def run_copies(local: AddressSpace, batch: TransferBatch) -> None:
+    """Run a landed batch's row copies."""
     for copies in batch.after_landing:
         run_row_copies(local, copies)
 
@@ -276,10 +281,24 @@ def run_swap(memory: AddressSpace, swap: SwapAxes) -> None:
 
 
 def execute_plan(plan: RequestPlan, local: AddressSpace, remotes: dict[int, AddressSpace]) -> None:
-    """Run a plan the way the receiver does: every batch of every peer, then the fix-ups."""
+    """Run a plan the way the receiver does: every batch of every peer, then the fix-ups.
+
+    A batch's row copies run while the peer's next batch is read, unless that read must wait
+    for them (:func:`copies_must_finish_first`); here the read lands first, the order in which
+    copies that should have waited would see overwritten bytes."""
     for peer in plan.peers:
+        remote = remotes[peer.prefill_rank]
+        pending: TransferBatch | None = None  # landed, its copies not run yet
         for batch in peer.batches:
-            execute_batch(local, remotes[peer.prefill_rank], batch)
+            if pending is not None and copies_must_finish_first(pending, batch):
+                run_copies(local, pending)
+                pending = None
+            read_batch(local, remote, batch)
+            if pending is not None:
+                run_copies(local, pending)
+            pending = batch if batch.after_landing else None
+        if pending is not None:
+            run_copies(local, pending)
     for swap in plan.fixups:
         run_swap(local, swap)
 
