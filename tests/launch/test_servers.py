@@ -162,4 +162,7 @@ def test_real_server_completes_and_stops_cleanly(tmp_path: Path) -> None:
         )
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"].strip(), response.text
+        rpc_dir = Path(server.rpc_dir)
+        assert any(rpc_dir.iterdir()), "vLLM's IPC sockets are not in the server's own folder"
     assert process_group_members(pgid) == [], server.log_tail()
+    assert not rpc_dir.exists(), "the server's IPC sockets were left behind"

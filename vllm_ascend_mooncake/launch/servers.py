@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,6 +235,8 @@ class VllmServer:
         self.log_path = Path(log_path)
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        #: where vLLM keeps its IPC sockets while it runs (removed at stop)
+        self.rpc_dir: str | None = None
         self._stopped = False
 
     @property
@@ -258,12 +261,17 @@ class VllmServer:
             raise ServerError(f"the vLLM server on port {self.port} was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("wb")
+        env = dict(self.env)
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # vLLM's IPC sockets, which a killed engine leaves behind: removed at stop
+            self.rpc_dir = tempfile.mkdtemp(prefix=f"vllm-rpc-{self.port}-")
+            env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         self._process = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env=env,
             start_new_session=True,
         )
 
@@ -323,6 +331,9 @@ class VllmServer:
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
+                self.rpc_dir = None
 
     @staticmethod
     def _signal_group(pgid: int, signum: signal.Signals) -> None:
