@@ -49,6 +49,12 @@ DRAWS_ENV_VAR = "VAM_GEOMETRY_DRAWS"
 DEFAULT_DRAWS = 2
 
 
+#: The text a draw's prompts are cut from (as the served model's token ids: at least
+#: :data:`LONGEST_PROMPT` of them with the tiny models' tokenizer).
+PROMPT_TEXT = " ".join(f"word{i} the quick brown fox jumps over {i} lazy dogs" for i in range(60))
+LONGEST_PROMPT = 400
+
+
 @dataclass(frozen=True)
 class GeometryDraw:
     """One drawn P/D deployment. ``num_kv_heads`` and ``head_dim`` are ``None`` for MLA, whose
@@ -91,6 +97,13 @@ class GeometryDraw:
             seed=weights_seed,
         )
 
+    def prompt_lengths(self) -> list[int]:
+        """A short prompt, one whose last token starts a new block of the larger size (the pull
+        then covers whole blocks only) and a long one spanning many blocks, from the seed."""
+        rng = random.Random(self.seed)
+        larger = max(self.prefill_block_size, self.decode_block_size)
+        return [rng.randint(2, 31), larger + 1, rng.randint(larger + 2, LONGEST_PROMPT)]
+
     def __str__(self) -> str:
         heads = "latent576" if self.is_mla else f"kv{self.num_kv_heads}-d{self.head_dim}"
         return (
@@ -98,6 +111,15 @@ class GeometryDraw:
             f"-{heads}-{self.dtype}-tp{self.prefill_tp}to{self.decode_tp}"
             f"-b{self.prefill_block_size}to{self.decode_block_size}"
         )
+
+
+def negative_control_prompt(prompt: list[int]) -> list[int]:
+    """A prompt as long as ``prompt`` with a third of its tokens changed (its last 8 kept): fed
+    ``prompt`` with this one's KV, decode must continue this one."""
+    other = list(prompt)
+    for i in range(4, len(other) - 8, 3):
+        other[i] = 3 + (other[i] + 1) % 400
+    return other
 
 
 def shardable(num_kv_heads: int, tp: int) -> bool:
