@@ -11,8 +11,9 @@
 #                                                # or without ARGS that leg's tests
 #
 # VAM_VLLM_LEGS: the extra vLLM series CI tests (default "0.30 0.31"; empty: none). A leg runs the
-# unit, property and connector tests (tests/core, tests/connector, tests/datapath without engine
-# tests, tests/scheduler when it exists) and the real `vllm serve` P/D tests of
+# tests that touch vLLM (tests/connector, the data-path test of vLLM's KV cache packing,
+# tests/scheduler when it exists; tests/core and the other data-path tests import no vLLM and
+# every leg's vLLM pins main's torch) and the real `vllm serve` P/D tests of
 # tests/e2e/test_pd_serve.py for prefill TP 2 -> decode TP 1 and TP 1 -> TP 2. Engines that tests
 # start run on sys.executable, so on the leg's vLLM. Every leg runs even after another failed; the
 # exit code is non-zero when any step failed, and pytest's exit code 5 (no tests collected)
@@ -30,6 +31,8 @@ DEFAULT_SOURCE_LEGS="0.33 0.34"
 # The leg's P/D end-to-end tests: test_pd_serve.py's parametrizations prefill_tp-decode_tp.
 LEG_E2E_TESTS="tests/e2e/test_pd_serve.py"
 LEG_E2E_SELECTION="[2-1] or [1-2]"
+# The data-path tests that run vLLM's own code (its CPU kernels' KV cache packing).
+LEG_VLLM_DATAPATH_TESTS="tests/datapath/test_chunk_packing.py"
 
 say() { echo "[test] $*"; }
 
@@ -128,8 +131,10 @@ run_leg() {
         run_step "$leg ($version): pytest $*" "$venv/bin/python" -m pytest "$@"
         return 0
     fi
-    run_step "$leg ($version): unit, property, connector and data-path tests" \
-        "$venv/bin/python" -m pytest tests/core tests/connector tests/datapath -m "not engine"
+    # tests/core and the rest of tests/datapath import no vLLM and run on the same torch: main
+    # ran them already.
+    run_step "$leg ($version): connector tests and vLLM's KV cache packing" \
+        "$venv/bin/python" -m pytest tests/connector "$LEG_VLLM_DATAPATH_TESTS" -m "not engine"
     if [ -d tests/scheduler ]; then
         run_step "$leg ($version): tests/scheduler" "$venv/bin/python" -m pytest tests/scheduler
     fi
