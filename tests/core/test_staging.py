@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from hypothesis import given, settings
@@ -12,9 +14,18 @@ from vllm_ascend_mooncake.core.plan_types import PlanOptions, RowCopies, Staging
 from vllm_ascend_mooncake.core.staging import StagedRun, copies_must_finish_first, stage_batches
 
 
-def run(remote_addr: int, num_blocks: int, block_len: int, dst_addr: int) -> StagedRun:
+@dataclass(frozen=True)
+class OverlappedRun(StagedRun):
+    """A staged run whose copies overlap the next read, as head-major chunks' do."""
+
+    double_buffered: ClassVar[bool] = True
+
+
+def run(
+    remote_addr: int, num_blocks: int, block_len: int, dst_addr: int, kind: type = OverlappedRun
+) -> StagedRun:
     """A run whose blocks are copied out whole, one row per block."""
-    return StagedRun(
+    return kind(
         remote_addr=remote_addr,
         num_blocks=num_blocks,
         block_len=block_len,
@@ -46,6 +57,13 @@ def test_an_area_of_one_block_is_reused_whole_and_reads_wait() -> None:
     batches = stage_batches([run(0, 3, 64, 10_000)], PlanOptions(), area)
     assert staged_spans(batches) == [(1000, 1064)] * 3
     assert all(copies_must_finish_first(a, b) for a, b in itertools.pairwise(batches))
+
+
+def test_units_that_are_not_double_buffered_use_the_whole_area() -> None:
+    area = StagingArea(base=1000, capacity=4 * 64)
+    batches = stage_batches([run(0, 8, 64, 10_000, kind=StagedRun)], PlanOptions(), area)
+    assert staged_spans(batches) == [(1000, 1256)] * 2
+    assert copies_must_finish_first(batches[0], batches[1])
 
 
 def test_a_read_onto_bytes_the_copies_write_waits_too() -> None:

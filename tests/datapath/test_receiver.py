@@ -612,49 +612,77 @@ def test_staged_row_copies_run_before_the_next_read_reuses_the_staging_area(
         decode.check_blocks(c.ref, local, remote)
 
 
-@pytest.mark.parametrize("staging_bytes,overlapped", [(2048, True), (1024, False)])
+#: One prefill block of the mixed-size test's pulls: 4 heads x 16 tokens x HEAD_TOKEN_BYTES.
+MIXED_PREFILL_BLOCK_BYTES = 4 * 16 * HEAD_TOKEN_BYTES
+
+
+@pytest.mark.parametrize(
+    "staging_bytes,overlapped",
+    [(2 * MIXED_PREFILL_BLOCK_BYTES, True), (MIXED_PREFILL_BLOCK_BYTES, False)],
+)
 def test_copies_out_of_staging_run_while_the_next_batch_is_read_where_it_lands_apart(
     cluster, monkeypatch, staging_bytes, overlapped
 ) -> None:
-    """Two prefill blocks of staging: batches land in its halves in turn, and a batch's copies
-    run while the next one is read. One block: every read lands on the bytes the previous
-    copies read, so it waits for them (slow copies would otherwise see the next block's bytes).
-    """
+    """Head-major blocks of another size are cut by token through staging. Two prefill blocks of
+    staging: batches land in its halves in turn, and a batch's copies run while the next one is
+    read. One block: every read lands on the bytes the previous copies read, so it waits for
+    them (slow copies would otherwise see the next block's bytes)."""
     from vllm_ascend_mooncake.datapath import copy_overlap as copy_module
 
     spans: dict[str, list[tuple[float, float]]] = {"copy": [], "read": []}
-    watched: list[object] = []  # decode rank 0's memory: the other ranks copy too
 
     def timed(kind, run, delay_s):
         def wrapper(*args, **kwargs):
             started = time.monotonic()
             time.sleep(delay_s)  # before the bytes move: a read that did not wait lands first
             run(*args, **kwargs)
-            if kind == "read" or args[0] in watched:
-                spans[kind].append((started, time.monotonic()))
+            spans[kind].append((started, time.monotonic()))
 
         return wrapper
 
     monkeypatch.setattr(
-        copy_module, "apply_row_copies", timed("copy", copy_module.apply_row_copies, 0.1)
+        copy_module, "apply_row_copies", timed("copy", copy_module.apply_row_copies, 0.05)
     )
-    c = cluster(4, prefill_tp=2, decode_tp=4, token_major=True, staging_bytes=staging_bytes)
-    decode = c.decode[0]
-    watched.append(decode.memory)
-    decode.transport.read = timed("read", decode.transport.read, 0.02)
-    local, remote = [5, 0, 6, 9], [1, 8, 9, 3]
-    c.pull("r1", local, remote)
-    for d in c.decode:
-        d.wait(["r1"])
-        assert d.done == {"r1"} and not d.failed
-        d.check_blocks(c.ref, local, remote)
-    assert len(spans["read"]) >= 4  # one prefill block per batch at most
+    c = cluster(
+        4,
+        1,
+        1,
+        prefill_block=16,
+        block_size=32,
+        packing=CPU_VEC_PACKING,
+        staging_bytes=staging_bytes,
+    )
+    (decode,) = c.decode
+    decode.transport.read = timed("read", decode.transport.read, 0.01)
+    pull_a_prompt_and_check_every_slot(c, 16, 32)
+    assert len(spans["read"]) >= 7 * LAYERS  # one prefill block per batch at most
     concurrent = any(
         c_start < r_end and r_start < c_end
         for c_start, c_end in spans["copy"]
         for r_start, r_end in spans["read"]
     )
     assert concurrent == overlapped, spans
+
+
+def test_head_slices_reuse_the_whole_staging_area(cluster) -> None:
+    """Token-major head slices are not double-buffered (long rows, half of what is read:
+    halving the batches cost more than the overlap saved): every batch uses the whole area."""
+    c = cluster(4, prefill_tp=1, decode_tp=2, token_major=True, staging_bytes=4096)
+    batches = []
+    read = c.decode[0].transport.read
+
+    def recording(session, local, remote, lengths):
+        batches.append(int(local.min()))
+        return read(session, local, remote, lengths)
+
+    c.decode[0].transport.read = recording
+    local, remote = [5, 0, 6], [1, 8, 9]
+    c.pull("r1", local, remote)
+    for d in c.decode:
+        d.wait(["r1"])
+        assert d.done == {"r1"} and not d.failed
+        d.check_blocks(c.ref, local, remote)
+    assert len(batches) >= 2 and len(set(batches)) == 1, batches
 
 
 def test_swaps_have_run_when_a_merged_pull_is_reported(cluster, queued_fixups) -> None:
@@ -779,6 +807,12 @@ def test_blocks_of_different_sizes_land_token_by_token(
         block_size=decode_block,
         packing=() if token_major else CPU_VEC_PACKING,
     )
+    pull_a_prompt_and_check_every_slot(c, prefill_block, decode_block, cached_blocks)
+
+
+def pull_a_prompt_and_check_every_slot(c, prefill_block, decode_block, cached_blocks=0) -> None:
+    """Place a prompt's tokens in the prefill caches, pull it, and check every decode byte
+    against :class:`ReferencePrompt`; prefill freed the blocks."""
     prompt = ReferencePrompt.random(
         LAYERS, -(-PROMPT_TOKENS // prefill_block) * prefill_block, 4, HEAD_TOKEN_BYTES, seed=3
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -26,6 +26,9 @@ class Staged(Protocol):
     remote_addr: int
     num_blocks: int
     block_len: int
+    #: whether batches of these units alternate between the two halves of the staging area, so
+    #: that their copies overlap the next read (:func:`stage_batches`)
+    double_buffered: ClassVar[bool]
 
     def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
         """Copies for units ``first..first+count-1``, staged contiguously from ``staged_at``."""
@@ -45,6 +48,9 @@ class StagedRun:
     dst_addr: int
     dst_stride: int
     row_bytes: int
+    # A head slice is long rows, at most half of what was read: halving the batches cost more
+    # than overlapping saved (bench_transfer, token-major 1 -> 2 on 2 cores: 5% slower, more CPU).
+    double_buffered: ClassVar[bool] = False
 
     def copies(self, staged_at: int, first: int, count: int) -> list[RowCopies]:
         return [
@@ -67,11 +73,12 @@ def stage_batches(
 ) -> list[TransferBatch]:
     """Pack staged reads into batches that fit the staging area and the descriptor cap.
 
-    Where the area holds two of the largest units, consecutive batches land in its two halves in
-    turn, so that one batch's row copies can run while the next batch is read (the receiver
-    overlaps them where :func:`copies_must_finish_first` allows); otherwise every batch reuses
-    the whole area and its copies must run before the next read. A staged read spans at most
-    ``max_descriptor_bytes`` (whole prefill blocks, at least one), as direct reads do.
+    Units that are ``double_buffered``, where the area holds two of the largest, land batch by
+    batch in its two halves in turn, so that one batch's row copies can run while the next batch
+    is read (the receiver overlaps them where :func:`copies_must_finish_first` allows);
+    otherwise every batch reuses the whole area and its copies must run before the next read.
+    A staged read spans at most ``max_descriptor_bytes`` (whole prefill blocks, at least one),
+    as direct reads do.
     """
     if staging is None:
         raise PlanError(
@@ -107,7 +114,8 @@ def stage_batches(
             f"prefill ranks a request reads in parallel) cannot hold one prefill block of "
             f"{largest} B; raise kv_connector_extra_config['staging_buffer_mib']"
         )
-    halves = 2 if staging.capacity >= 2 * largest else 1
+    double = bool(runs) and all(run.double_buffered for run in runs)
+    halves = 2 if double and staging.capacity >= 2 * largest else 1
     capacity = staging.capacity // halves
     used = 0
     for run in runs:
