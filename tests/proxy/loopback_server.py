@@ -91,36 +91,19 @@ def black_hole() -> Iterator[str]:
 
 
 @contextmanager
-def one_request_per_connection() -> Iterator[str]:
-    """Yield the URL of a server that answers ``GET /health`` with 200 and keep-alive, then
-    closes the connection without an answer if a second request comes on it: what a server
-    closing an idle keep-alive connection does to a client that reuses it at that moment."""
+def _raw_server(handle: Callable[[socket.socket, threading.Event], None]) -> Iterator[str]:
+    """Yield the URL of a loopback port whose every connection ``handle(connection, stop)``
+    serves on a thread of its own, with raw bytes, for misbehaviours no HTTP server has;
+    ``stop`` is set when the block ends."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     listener.settimeout(0.1)
     stop = threading.Event()
-    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
 
     def serve(connection: socket.socket) -> None:
         with connection:
-            connection.settimeout(10)
-            requests = 0
-            buffered = b""
-            while not stop.is_set():
-                try:
-                    data = connection.recv(4096)
-                except OSError:
-                    return
-                if not data:
-                    return
-                buffered += data
-                while b"\r\n\r\n" in buffered:
-                    _, buffered = buffered.split(b"\r\n\r\n", 1)
-                    requests += 1
-                    if requests > 1:
-                        return  # closed without an answer
-                    connection.sendall(answer)
+            handle(connection, stop)
 
     def accept() -> None:
         while not stop.is_set():
@@ -140,33 +123,42 @@ def one_request_per_connection() -> Iterator[str]:
         listener.close()
 
 
-@contextmanager
-def drops_every_connection() -> Iterator[str]:
+def one_request_per_connection() -> contextlib.AbstractContextManager[str]:
+    """Yield the URL of a server that answers ``GET /health`` with 200 and keep-alive, then
+    closes the connection without an answer if a second request comes on it: what a server
+    closing an idle keep-alive connection does to a client that reuses it at that moment."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+
+    def answer_the_first_request(connection: socket.socket, stop: threading.Event) -> None:
+        connection.settimeout(10)
+        requests = 0
+        buffered = b""
+        while not stop.is_set():
+            try:
+                data = connection.recv(4096)
+            except OSError:
+                return
+            if not data:
+                return
+            buffered += data
+            while b"\r\n\r\n" in buffered:
+                _, buffered = buffered.split(b"\r\n\r\n", 1)
+                requests += 1
+                if requests > 1:
+                    return  # closed without an answer
+                connection.sendall(answer)
+
+    return _raw_server(answer_the_first_request)
+
+
+def drops_every_connection() -> contextlib.AbstractContextManager[str]:
     """Yield the URL of a port that accepts connections and closes each one unanswered, as a
     restarting vLLM does (it binds its port before its engine is ready) or one dying with the
     request: the client sees "Server disconnected without sending a response"."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.settimeout(0.1)
-    stop = threading.Event()
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                continue
-            with connection:
-                connection.settimeout(1)
-                with contextlib.suppress(OSError):
-                    connection.recv(65536)  # the request arrives; no answer is sent
+    def read_and_close(connection: socket.socket, stop: threading.Event) -> None:
+        connection.settimeout(1)
+        with contextlib.suppress(OSError):
+            connection.recv(65536)  # the request arrives; no answer is sent
 
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        listener.close()
+    return _raw_server(read_and_close)
