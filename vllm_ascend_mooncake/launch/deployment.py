@@ -27,13 +27,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from ..connector.keys import CONNECTOR_NAME
 from ..defaults import DEFAULT_RELEASE_TIMEOUT_S
 from .ports import free_port, free_port_range
 from .servers import (
     ServerError,
     VllmServer,
-    process_group_members,
     start_helper,
     start_servers,
     stop_all,
@@ -337,14 +338,11 @@ class LocalDeployment:
         that occurred only; empty when decode is not running."""
         if not self.decode.is_running():
             return {}
-        sample = re.compile(
-            r'^vllm:mooncake_hetero_failed_pulls_total\{[^}]*kind="([^"]+)"[^}]*\} (\S+)$', re.M
-        )
         counts: dict[str, int] = {}
-        for match in sample.finditer(_metrics_text(self.decode.base_url)):
-            kind, count = match.group(1), round(float(match.group(2)))
-            if count:
-                counts[kind] = counts.get(kind, 0) + count
+        text = _metrics_text(self.decode.base_url)
+        for labels, value in _metric_samples(text, "vllm:mooncake_hetero_failed_pulls_total"):
+            if round(value):
+                counts[labels["kind"]] = counts.get(labels["kind"], 0) + round(value)
         return counts
 
     def __enter__(self) -> LocalDeployment:
@@ -369,20 +367,20 @@ def _metrics_text(base_url: str) -> str:
         return response.read().decode()
 
 
+def _metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of metric ``name`` (``*_total``, ``*_count``: the sample's own name) in a
+    Prometheus text page, with its labels."""
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
 def _metric_sum(text: str, name: str) -> int:
     """The sum of a metric's samples over all label sets; the metric must be exported."""
-    sample = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.M)
-    values = [float(match.group(1)) for match in sample.finditer(text)]
+    values = [value for _, value in _metric_samples(text, name)]
     if not values:
         raise ServerError(f"{name} is not exported: is the connector loaded?")
     return round(sum(values))
-
-
-__all__ = [
-    "LOOPBACK",
-    "DeploymentSpec",
-    "Host",
-    "LocalDeployment",
-    "connector_config",
-    "process_group_members",
-]

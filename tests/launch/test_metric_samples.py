@@ -1,0 +1,41 @@
+"""How a deployment reads its instances' Prometheus pages: every end-to-end test's zero-failed-pulls
+check and the fault tests' failures by kind rest on it, so it is checked against the text
+prometheus_client writes for the connector's own metric shapes (a labelled counter, a histogram
+per engine)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from vllm_ascend_mooncake.launch.deployment import _metric_samples, _metric_sum
+from vllm_ascend_mooncake.launch.servers import ServerError
+
+
+def metrics_page() -> str:
+    registry = CollectorRegistry()
+    failed = Counter("vllm:mooncake_hetero_failed_pulls", "", ["engine", "kind"], registry=registry)
+    failed.labels(engine="0", kind="refused").inc(2)
+    failed.labels(engine="1", kind="refused").inc(1)
+    failed.labels(engine="0", kind="transfer")  # exported at 0, as the connector pre-creates
+    pulls = Histogram("vllm:mooncake_hetero_pull_seconds", "", ["engine"], registry=registry)
+    for engine, seconds in (("0", 0.1), ("0", 0.2), ("1", 0.3)):
+        pulls.labels(engine=engine).observe(seconds)
+    return generate_latest(registry).decode()
+
+
+def test_samples_come_with_their_labels_and_sums_cover_every_label_set() -> None:
+    page = metrics_page()
+    samples = _metric_samples(page, "vllm:mooncake_hetero_failed_pulls_total")
+    assert sorted((labels["engine"], labels["kind"], value) for labels, value in samples) == [
+        ("0", "refused", 2.0),
+        ("0", "transfer", 0.0),
+        ("1", "refused", 1.0),
+    ]
+    assert _metric_sum(page, "vllm:mooncake_hetero_failed_pulls_total") == 3
+    assert _metric_sum(page, "vllm:mooncake_hetero_pull_seconds_count") == 3
+
+
+def test_a_metric_the_page_lacks_is_an_error_not_zero() -> None:
+    with pytest.raises(ServerError, match="not exported"):
+        _metric_sum(metrics_page(), "vllm:mooncake_hetero_expired_releases_total")
