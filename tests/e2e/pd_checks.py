@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 
 import httpx
 
@@ -118,15 +119,20 @@ def settled_totals(pd: LocalDeployment) -> dict[str, int]:
     return pd.transfer_totals()
 
 
-def assert_clean_transfers(pd: LocalDeployment, requests: int) -> None:
+def assert_clean_transfers(
+    pd: LocalDeployment, requests: int, since: Mapping[str, int] | None = None
+) -> None:
     """Both engines alive; every request pulled exactly once on every decode rank and no pull
     failed; every block freed by a read-done notice well before prefill's release timeout,
-    none by that timeout."""
+    none by that timeout. ``since``: the deployment's :meth:`~LocalDeployment.transfer_totals`
+    when the requests began, for a deployment that served others before."""
     for server in (pd.prefill, pd.decode):
         assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
     for server in (pd.prefill, pd.decode):
         _wait_blocks_freed(server.base_url, server.base_url)
     totals = settled_totals(pd)
+    if since is not None:
+        totals = {name: count - since[name] for name, count in totals.items()}
     logs = f"see {pd.log_dir}"
     assert totals["failed"] == 0, (totals, logs)
     assert totals["expired"] == 0, (totals, logs)

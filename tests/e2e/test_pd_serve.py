@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -90,46 +91,56 @@ def reference(model: str) -> dict:
         }
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2)])
-def test_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_path) -> None:
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1-1", "2-1", "1-2"])
+def deployment(request, model, reference, tmp_path_factory) -> Iterator[LocalDeployment]:
+    """One P/D deployment per TP pair (prefill TP, decode TP), shared by the tests of that pair
+    (an engine start is ~25 s): each counts only its own pulls (``since``), and the negative
+    control salts its decode requests, so no answer of it comes from the other test's cache."""
+    prefill_tp, decode_tp = request.param
+    log_dir = tmp_path_factory.mktemp(f"pd-{prefill_tp}-{decode_tp}")
     spec = DeploymentSpec(
-        model=model, prefill_tp=prefill_tp, decode_tp=decode_tp, log_dir=str(tmp_path)
+        model=model, prefill_tp=prefill_tp, decode_tp=decode_tp, log_dir=str(log_dir)
     )
-    name = reference["name"]
     with LocalDeployment(spec) as pd:
-        url = pd.proxy_url
-        for prompt in PROMPTS:
-            assert_same(complete(url, name, prompt), reference["prompts"][prompt], prompt[:30])
-
-        # Streaming and chat through the proxy.
-        ref_text = reference["prompts"][PROMPTS[1]]["choices"][0]["text"]
-        assert stream_text(url, name, PROMPTS[1]) == ref_text
-        assert chat(url, name) == reference["chat"]
-
-        # A second request sharing a long prefix: decode serves the prefix from its own cache and
-        # pulls only the rest.
-        hits_before = metric(pd.decode.base_url, "vllm:prefix_cache_hits_total")
-        for prompt in PREFIX_PROMPTS:
-            assert_same(complete(url, name, prompt), reference["prompts"][prompt], "prefix")
-        assert metric(pd.decode.base_url, "vllm:prefix_cache_hits_total") > hits_before
-
-        # Several requests at once.
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = {
-                pool.submit(complete, url, name, p, cache_salt=f"c{i}"): p
-                for i, p in enumerate(PROMPTS + PREFIX_PROMPTS[:1])
-            }
-            for future, prompt in futures.items():
-                assert_same(future.result(), reference["prompts"][prompt], "concurrent")
-
-        # Each of the 11 requests above pulled on every decode rank (the second prefix prompt
-        # its tail only); nothing failed, nothing leaked, nothing timed out.
-        assert_clean_transfers(pd, requests=11)
+        yield pd
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2)])
+def test_pd_matches_colocated(deployment: LocalDeployment, reference) -> None:
+    name = reference["name"]
+    pd = deployment
+    before = pd.transfer_totals()
+    url = pd.proxy_url
+    for prompt in PROMPTS:
+        assert_same(complete(url, name, prompt), reference["prompts"][prompt], prompt[:30])
+
+    # Streaming and chat through the proxy.
+    ref_text = reference["prompts"][PROMPTS[1]]["choices"][0]["text"]
+    assert stream_text(url, name, PROMPTS[1]) == ref_text
+    assert chat(url, name) == reference["chat"]
+
+    # A second request sharing a long prefix: decode serves the prefix from its own cache and
+    # pulls only the rest.
+    hits_before = metric(pd.decode.base_url, "vllm:prefix_cache_hits_total")
+    for prompt in PREFIX_PROMPTS:
+        assert_same(complete(url, name, prompt), reference["prompts"][prompt], "prefix")
+    assert metric(pd.decode.base_url, "vllm:prefix_cache_hits_total") > hits_before
+
+    # Several requests at once.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = {
+            pool.submit(complete, url, name, p, cache_salt=f"c{i}"): p
+            for i, p in enumerate(PROMPTS + PREFIX_PROMPTS[:1])
+        }
+        for future, prompt in futures.items():
+            assert_same(future.result(), reference["prompts"][prompt], "concurrent")
+
+    # Each of the 11 requests above pulled on every decode rank (the second prefix prompt
+    # its tail only); nothing failed, nothing leaked, nothing timed out.
+    assert_clean_transfers(pd, requests=11, since=before)
+
+
 def test_negative_control_decode_uses_the_transferred_kv(
-    model, reference, prefill_tp, decode_tp, tmp_path
+    deployment: LocalDeployment, reference
 ) -> None:
     """Decode gets prompt X with the KV of prompt Y (same length): it must continue Y.
 
@@ -138,68 +149,66 @@ def test_negative_control_decode_uses_the_transferred_kv(
     first and learns the block ids from prefill's read lease once prefill is done).
     """
     name = reference["name"]
-    spec = DeploymentSpec(
-        model=model, prefill_tp=prefill_tp, decode_tp=decode_tp, log_dir=str(tmp_path)
-    )
-    with LocalDeployment(spec) as pd:
-        x = httpx.post(
-            f"{pd.prefill.base_url}/tokenize", json={"model": name, "prompt": PROMPTS[2]}
-        ).json()["tokens"]
-        y = list(x)
-        y[4] = 3 + (y[4] + 1) % 400  # one early token differs; same length
-        colocated_x = complete(pd.prefill.base_url, name, x)
-        colocated_y = complete(pd.prefill.base_url, name, y)
+    pd = deployment
+    before = pd.transfer_totals()
+    x = httpx.post(
+        f"{pd.prefill.base_url}/tokenize", json={"model": name, "prompt": PROMPTS[2]}
+    ).json()["tokens"]
+    y = list(x)
+    y[4] = 3 + (y[4] + 1) % 400  # one early token differs; same length
+    colocated_x = complete(pd.prefill.base_url, name, x)
+    colocated_y = complete(pd.prefill.base_url, name, y)
 
-        def prefill_y(kv_transfer_params: dict, **extra) -> dict:
-            """Prompt Y's one-token prefill, holding its KV for a decode."""
-            response = httpx.post(
-                f"{pd.prefill.base_url}/v1/completions",
-                json={
-                    "model": name,
-                    "prompt": y,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "kv_transfer_params": {"do_remote_decode": True, **kv_transfer_params},
-                    **extra,
-                },
-                timeout=TIMEOUT,
-            )
-            assert response.status_code == 200, response.text
-            return response.json()
+    def prefill_y(kv_transfer_params: dict, **extra) -> dict:
+        """Prompt Y's one-token prefill, holding its KV for a decode."""
+        response = httpx.post(
+            f"{pd.prefill.base_url}/v1/completions",
+            json={
+                "model": name,
+                "prompt": y,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, **kv_transfer_params},
+                **extra,
+            },
+            timeout=TIMEOUT,
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
 
-        def serial(attempt: int) -> dict:
-            prefill = prefill_y({})
-            address.update(prefill_address(prefill["kv_transfer_params"]))
-            return complete(
+    def serial(attempt: int) -> dict:
+        prefill = prefill_y({})
+        address.update(prefill_address(prefill["kv_transfer_params"]))
+        return complete(
+            pd.decode.base_url,
+            name,
+            x,
+            kv_transfer_params=prefill["kv_transfer_params"],
+            cache_salt=f"serial-{attempt}",  # never served from a recomputed X
+        )
+
+    def overlapped(attempt: int) -> dict:
+        transfer_id = f"negative-control-{attempt}"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(
+                complete,
                 pd.decode.base_url,
                 name,
                 x,
-                kv_transfer_params=prefill["kv_transfer_params"],
-                cache_salt=f"serial-{attempt}",  # never served from a recomputed X
+                kv_transfer_params={
+                    "do_remote_prefill": True,
+                    "remote_request_id": transfer_id,
+                    **address,
+                },
+                cache_salt=f"overlapped-{attempt}",
             )
+            time.sleep(1.0)  # decode admits the request and waits for the prefill
+            prefill_y({"transfer_id": transfer_id}, cache_salt=f"overlapped-{attempt}")
+            return decoding.result()
 
-        def overlapped(attempt: int) -> dict:
-            transfer_id = f"negative-control-{attempt}"
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                decoding = pool.submit(
-                    complete,
-                    pd.decode.base_url,
-                    name,
-                    x,
-                    kv_transfer_params={
-                        "do_remote_prefill": True,
-                        "remote_request_id": transfer_id,
-                        **address,
-                    },
-                    cache_salt=f"overlapped-{attempt}",
-                )
-                time.sleep(1.0)  # decode admits the request and waits for the prefill
-                prefill_y({"transfer_id": transfer_id}, cache_salt=f"overlapped-{attempt}")
-                return decoding.result()
-
-        address: dict = {}
-        outputs = {kind: run(0) for kind, run in (("serial", serial), ("overlapped", overlapped))}
-        assert_clean_transfers(pd, requests=2)
+    address: dict = {}
+    outputs = {kind: run(0) for kind, run in (("serial", serial), ("overlapped", overlapped))}
+    assert_clean_transfers(pd, requests=2, since=before)
     for kind, decoded in outputs.items():
         assert len(decoded["choices"][0]["token_ids"]) == MAX_TOKENS, kind
         assert summary(decoded)[0] != summary(colocated_x)[0], kind
