@@ -20,10 +20,11 @@ from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
 from ..datapath.mooncake import MooncakeTransport
 from ..datapath.peers import PeerDirectory
-from ..datapath.receiver import Receiver, ReceiverOptions, StagingPool
+from ..datapath.receiver import Receiver, ReceiverOptions
 from ..datapath.registration import storage_ranges
 from ..datapath.sender import PrefillSender, SendTracker
 from ..datapath.side_channel import SideChannelClient
+from ..datapath.staging_pool import StagingPool
 from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError
 from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 from ..defaults import DEFAULT_SIDE_CHANNEL_TIMEOUT_S, MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
