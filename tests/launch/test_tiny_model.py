@@ -14,12 +14,11 @@ from vllm_ascend_mooncake.deps import MissingDependencyError
 from vllm_ascend_mooncake.launch import tiny_model
 from vllm_ascend_mooncake.launch.tiny_model import (
     ARCHITECTURES,
-    BOS_TOKEN,
-    EOS_TOKEN,
     MANIFEST_FILE,
     TinyModelSpec,
     build_tiny_model,
 )
+from vllm_ascend_mooncake.launch.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN
 
 MODEL_FILES = (
     "config.json",

@@ -12,7 +12,7 @@ Nothing may be downloaded, so :func:`build_tiny_model` writes such a directory f
   (:class:`TinyMLAModelSpec`);
 * ``model.safetensors``: random weights drawn from a seeded generator;
 * ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer trained locally on a
-  generated corpus, with BOS/EOS tokens and a plain chat template (for ``/v1/chat/completions``).
+  generated corpus, with BOS/EOS tokens and a plain chat template (:mod:`.tiny_tokenizer`).
 
 The weights are scaled so that greedy decoding depends on the whole prompt rather than collapsing
 into one repeated token: a KV-cache transfer that delivers wrong blocks then changes the output,
@@ -31,7 +31,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -40,25 +39,21 @@ from typing import Any
 
 from vllm_ascend_mooncake import deps
 
+from .tiny_tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    MIN_VOCAB_SIZE,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    tokenizer_config,
+    train_tokenizer,
+)
+
 #: Bump when the generated files change for the same spec, so stale cache entries are not reused.
 FORMAT_VERSION = 1
 
 #: Environment variable that overrides the default cache root.
 CACHE_ENV_VAR = "VAM_MODEL_CACHE"
-
-BOS_TOKEN = "<s>"
-EOS_TOKEN = "</s>"
-PAD_TOKEN = "<pad>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
-
-#: Plain-text roles; enough for vLLM's OpenAI chat endpoint to render a conversation.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 #: Written last into a model directory; its presence marks a complete build.
 MANIFEST_FILE = "tiny_model_spec.json"
@@ -67,9 +62,6 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 #: The grouped-query architectures :class:`TinyModelSpec` builds (vLLM's model classes).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# Byte-level BPE needs all 256 byte symbols plus the special tokens before any merge.
-_MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 # Initialisation scales. Every projection reads an RMS-normalised input (or a sum of such
 # outputs), so ``gain / sqrt(fan_in)`` keeps activations of order ``gain``. The choices below
@@ -144,9 +136,9 @@ class TinyModelSpec:
                 f"a Qwen2 model's head_dim is hidden_size / num_attention_heads: hidden_size "
                 f"{self.hidden} != {self.num_attention_heads} x {self.head_dim}"
             )
-        if self.vocab_size < _MIN_VOCAB_SIZE:
+        if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
-                f"vocab_size must be at least {_MIN_VOCAB_SIZE} (256 byte symbols plus "
+                f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
                 f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
             )
         if self.dtype not in SUPPORTED_DTYPES:
@@ -242,9 +234,9 @@ class TinyMLAModelSpec:
             raise ValueError(
                 f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}"
             )
-        if self.vocab_size < _MIN_VOCAB_SIZE:
+        if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
-                f"vocab_size must be at least {_MIN_VOCAB_SIZE} (256 byte symbols plus "
+                f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
                 f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
             )
         if self.dtype not in SUPPORTED_DTYPES:
@@ -333,12 +325,12 @@ def build_tiny_model(
 
 def write_model_files(spec: AnyTinyModelSpec, directory: Path) -> None:
     """Write all files of ``spec``'s model into the existing ``directory`` (no caching)."""
-    tokenizer = _train_tokenizer(spec.vocab_size)
+    tokenizer = train_tokenizer(spec.vocab_size)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     tokenizer.save(str(directory / "tokenizer.json"))
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config(spec))
+    _write_json(directory / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings))
     _write_json(
         directory / "special_tokens_map.json",
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
@@ -467,18 +459,6 @@ def _mla_rope_scaling(spec: TinyMLAModelSpec) -> dict[str, Any] | None:
     }
 
 
-def _tokenizer_config(spec: AnyTinyModelSpec) -> dict[str, Any]:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "model_max_length": spec.max_position_embeddings,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
 def _weight_shapes(spec: TinyModelSpec) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
     """(name, shape, std) for every tensor, in a fixed order; std ``None`` means all ones."""
     hidden, heads_width = spec.hidden, spec.num_attention_heads * spec.head_dim
@@ -589,78 +569,6 @@ def _write_weights(spec: AnyTinyModelSpec, path: Path) -> None:
             values = torch.randn(shape, generator=generator, dtype=torch.float32) * std
         tensors[name] = values.to(dtype).contiguous()
     safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-# A few frequent English words keep typical test prompts short in tokens; generated
-# pseudo-words give the BPE trainer enough distinct pairs to fill any vocabulary size.
-_COMMON_WORDS_TEXT = (
-    "the of and to a in is you that it he was for on are as with his they I at be this have "
-    "from or one had by word but not what all were we when your can said there use an each "
-    "which she do how their if will up other about out many then them these so some her would "
-    "make like him into time has look two more write go see number no way could people my than "
-    "first water been call who oil its now find long down day did get come made may part hello "
-    "name capital France Paris future model cache prefill decode transfer token layer head"
-)
-_COMMON_WORDS = tuple(_COMMON_WORDS_TEXT.split())
-_CONSONANTS = "bcdfghjklmnprstvwz"
-_VOWELS = "aeiou"
-_PUNCTUATION = (".", ",", "!", "?", ";", ":")
-
-
-def _corpus_lines(line_count: int = 4000, seed: int = 1234) -> Iterator[str]:
-    """Deterministic training text: common words, pseudo-words, numbers and punctuation."""
-    rng = random.Random(seed)
-    for _ in range(line_count):
-        words = []
-        for _ in range(rng.randint(4, 16)):
-            roll = rng.random()
-            if roll < 0.5:
-                word = rng.choice(_COMMON_WORDS)
-            elif roll < 0.9:
-                word = "".join(
-                    rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 4))
-                )
-            else:
-                word = str(rng.randint(0, 99999))
-            if rng.random() < 0.1:
-                word = word.capitalize()
-            words.append(word)
-        yield " ".join(words) + rng.choice(_PUNCTUATION)
-
-
-def _train_tokenizer(vocab_size: int) -> Any:
-    """Train a byte-level BPE tokenizer with exactly ``vocab_size`` tokens.
-
-    Byte-level BPE encodes any text, so prompts never hit an unknown token. If the corpus runs
-    out of merges before the requested size, reserved ``<unused_N>`` tokens fill the rest, so
-    every id the model can emit decodes.
-    """
-    tokenizers = deps.require_tokenizers()
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
-    missing = vocab_size - tokenizer.get_vocab_size()
-    if missing > 0:
-        tokenizer.add_special_tokens([f"<unused_{index}>" for index in range(missing)])
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}"
-        )
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
-    return tokenizer
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
