@@ -40,6 +40,7 @@ import httpx
 from benchmarks.common import add_json_arg, make_parser, write_json
 from vllm_ascend_mooncake.launch.deployment import LOOPBACK, DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import VllmServer, process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
@@ -178,12 +179,7 @@ def rss_mib(pgid: int) -> float:
 
 
 def kv_usage(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:kv_cache_usage_perc")
-    )
+    return metric_sum(metrics_text(url), "vllm:kv_cache_usage_perc")
 
 
 class Client:

@@ -9,13 +9,14 @@ well before prefill's release timeout (a release by timeout would hide a lost no
 
 from __future__ import annotations
 
-import re
+import itertools
 import time
 from collections.abc import Mapping
 
 import httpx
 
 from vllm_ascend_mooncake.launch.deployment import LocalDeployment
+from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 MAX_TOKENS = 12
@@ -95,11 +96,33 @@ def assert_same(actual: dict, expected: dict, what: str) -> None:
             )
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not exported by {url}"
-    return sum(values)
+def metric(url: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """The sum of metric ``name``'s samples (the sample's own name: ``*_total``, ``*_count``)
+    on the instance or proxy at ``url``, over the label sets with ``labels`` (all if None); the
+    metric must be exported."""
+    return metric_sum(metrics_text(url), name, labels)
+
+
+def wait_for_metric(
+    url: str, name: str, at_least: float, failure: str, within_s: float = 60
+) -> None:
+    """Poll an instance's metric until it reaches ``at_least`` (tests wait on state, not time).
+    A failure says what the polls saw: how many, the largest value, and the longest gap between
+    two answers (a poll stuck for seconds is not a metric that never moved)."""
+    started = time.monotonic()
+    deadline = started + within_s
+    readings: list[tuple[float, float]] = []  # (when answered, value)
+    while (value := metric(url, name)) < at_least:
+        readings.append((time.monotonic(), value))
+        if time.monotonic() >= deadline:
+            times = [started] + [when for when, _ in readings]
+            gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+            raise AssertionError(
+                f"{failure}: {name} < {at_least} after {within_s} s ({len(readings)} polls, "
+                f"largest value {max(v for _, v in readings)}, longest gap between answers "
+                f"{max(gaps):.2f} s, distinct values {sorted({v for _, v in readings})})"
+            )
+        time.sleep(0.02)
 
 
 def _wait_blocks_freed(url: str, what: str) -> None:
@@ -144,9 +167,8 @@ def assert_extra_prefill_clean(url: str, what: str) -> None:
     checks): alive, every block freed within the bound, none released by its timeout."""
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200, what
     _wait_blocks_freed(url, what)
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    expired = re.findall(r"^vllm:mooncake_hetero_expired_releases_total\S* (\S+)$", text, re.M)
-    assert sum(float(v) for v in expired) == 0, f"{what} released blocks by timeout"
+    expired = metric(url, "vllm:mooncake_hetero_expired_releases_total")
+    assert expired == 0, f"{what} released blocks by timeout"
 
 
 # Answers keyed by token id, compared exactly (float32) or within bfloat16's rounding.

@@ -16,13 +16,13 @@ per decode rank, no decode leg resent, nothing leaked.
 from __future__ import annotations
 
 import concurrent.futures
-import re
 
 import httpx
 import pytest
-from pd_checks import assert_clean_transfers, assert_same, complete
+from pd_checks import assert_clean_transfers, assert_same, complete, metric
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.prometheus import metric_samples, metrics_text
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -41,17 +41,9 @@ SEQUENTIAL = 4  # the rest go at once
 def per_engine(url: str, name: str) -> dict[str, float]:
     """A vLLM counter by its ``engine`` label (the DP engine index)."""
     totals: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        match = re.match(rf'^{re.escape(name)}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', line)
-        if match:
-            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    for labels, value in metric_samples(metrics_text(url), name):
+        totals[labels["engine"]] = totals.get(labels["engine"], 0.0) + value
     return totals
-
-
-def proxy_counter(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? (\S+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
 def test_a_dp2_prefill_serves_overlapped_legs_from_both_engines(tmp_path) -> None:
@@ -85,9 +77,9 @@ def test_a_dp2_prefill_serves_overlapped_legs_from_both_engines(tmp_path) -> Non
         engines_after = per_engine(pd.prefill.base_url, "vllm:prompt_tokens_total")
         computed = {e: engines_after[e] - engines_before.get(e, 0.0) for e in engines_after}
         assert all(tokens > 0 for tokens in computed.values()), computed
-        assert proxy_counter(pd.proxy_url, "vam_proxy_decode_resends_total") == 0
+        assert metric(pd.proxy_url, "vam_proxy_decode_resends_total") == 0
         # The first request and engine 1's first (pinned, to learn its address) go serial.
-        overlapped = proxy_counter(pd.proxy_url, "vam_proxy_requests_total", 'legs="overlapped"')
+        overlapped = metric(pd.proxy_url, "vam_proxy_requests_total", {"legs": "overlapped"})
         assert overlapped == len(PROMPTS) - 2, overlapped
         proxy_log = pd.proxy_log.read_text(errors="replace")
         for rank in (0, 1):

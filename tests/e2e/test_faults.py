@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import itertools
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import time
 
 import httpx
 import pytest
-from pd_checks import settled_totals
+from pd_checks import metric, settled_totals, wait_for_metric
 
 from vllm_ascend_mooncake.connector.keys import SECRET_ENV
 from vllm_ascend_mooncake.connector.params import release_target
@@ -61,37 +60,6 @@ def completion(url: str, name: str, prompt: str, **extra) -> httpx.Response:
 def tokens(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
-
-
-def gauge(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((f"{name}{{", f"{name} "))
-    )
-
-
-def wait_for_gauge(
-    url: str, name: str, at_least: float, failure: str, within_s: float = 60
-) -> None:
-    """Poll an instance's gauge until it reaches ``at_least`` (tests wait on state, not time).
-    A failure says what the polls saw: how many, the largest value, and the longest gap between
-    two answers (a poll stuck for seconds is not a gauge that never moved)."""
-    started = time.monotonic()
-    deadline = started + within_s
-    readings: list[tuple[float, float]] = []  # (when answered, value)
-    while (value := gauge(url, name)) < at_least:
-        readings.append((time.monotonic(), value))
-        if time.monotonic() >= deadline:
-            times = [started] + [when for when, _ in readings]
-            gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
-            raise AssertionError(
-                f"{failure}: {name} < {at_least} after {within_s} s ({len(readings)} polls, "
-                f"largest value {max(v for _, v in readings)}, longest gap between answers "
-                f"{max(gaps):.2f} s, distinct values {sorted({v for _, v in readings})})"
-            )
-        time.sleep(0.02)
 
 
 class LeavingClient:
@@ -131,7 +99,7 @@ def signal_all(pids: list[int], signum: signal.Signals) -> None:
 
 
 def usage(url: str) -> float:
-    return gauge(url, "vllm:kv_cache_usage_perc")
+    return metric(url, "vllm:kv_cache_usage_perc")
 
 
 def wait_no_blocks_in_use(url: str, within_s: float) -> None:
@@ -320,14 +288,14 @@ def test_a_decode_request_queued_past_the_release_timeout_keeps_its_kv(
     the answer is right, no pull failed (none recomputed), no block was released by timeout."""
     pd, _, name, reference = deployment
     before = settled_totals(pd)
-    prompts_before = gauge(pd.prefill.base_url, "vllm:prompt_tokens_total")
+    prompts_before = metric(pd.prefill.base_url, "vllm:prompt_tokens_total")
     engine = [pid for pid in process_group_members(pd.decode.pid) if pid != pd.decode.pid]
     assert engine, "decode runs no engine process of its own"
     signal_all(engine, signal.SIGSTOP)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(completion, proxy_url, name, PROMPT)
-            wait_for_gauge(
+            wait_for_metric(
                 pd.prefill.base_url,
                 "vllm:prompt_tokens_total",
                 prompts_before + 1,
@@ -442,7 +410,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     queued_batches = 10
     seen_waiting_batches = 3
     pulls = "vllm:mooncake_hetero_pull_seconds_count"
-    pulled_before = gauge(decode, pulls)
+    pulled_before = metric(decode, pulls)
     with concurrent.futures.ThreadPoolExecutor((1 + queued_batches) * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
@@ -452,19 +420,19 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
         # served). A counter, not the running gauge: a clean-clone CI run never saw that gauge
         # at 2 within 60 s although decode's log showed both running for the 3 s their 924
         # tokens took, so the test must not depend on polling inside that window.
-        wait_for_gauge(decode, pulls, pulled_before + MAX_NUM_SEQS, "the batch's KV never landed")
+        wait_for_metric(decode, pulls, pulled_before + MAX_NUM_SEQS, "the batch's KV never landed")
         queued = [
             pool.submit(completion, decode, name, OTHER, **long_body)
             for _ in range(queued_batches * MAX_NUM_SEQS)
         ]
-        wait_for_gauge(
+        wait_for_metric(
             decode,
             "vllm:num_requests_waiting",
             seen_waiting_batches * MAX_NUM_SEQS,
             "nothing queued",
         )
         leaving = [LeavingClient(proxy_url, name, f"{PROMPT} leaving {i}") for i in range(3)]
-        wait_for_gauge(
+        wait_for_metric(
             decode,
             "vllm:num_requests_waiting",
             MAX_NUM_SEQS + 3,
@@ -506,7 +474,7 @@ def test_clients_leaving_while_prefill_still_computes_cancel_their_pull(deployme
             ]
             assert all(f.result() for f in leaving), "a request finished while prefill was frozen"
         time.sleep(0.5)
-        assert gauge(pd.decode.base_url, "vllm:num_requests_waiting") == 0
+        assert metric(pd.decode.base_url, "vllm:num_requests_waiting") == 0
     finally:
         pd.thaw("prefill")
     started = time.monotonic()
@@ -667,7 +635,7 @@ def test_decode_killed_holding_leases_then_restarted(deployment, proxy_url) -> N
             )
             for i in range(3)
         ]
-        wait_for_gauge(pd.decode.base_url, "vllm:num_requests_running", 1, "nothing generating")
+        wait_for_metric(pd.decode.base_url, "vllm:num_requests_running", 1, "nothing generating")
         pd.kill("decode")
         killed = time.monotonic()
         statuses = [future.result() for future in running]

@@ -35,6 +35,11 @@ from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployme
 from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
+#: The proxy's count of first tokens decode sampled again, by reason; a first token that is part
+#: of a character is one (proxy/token_texts.py).
+DECODE_FIRST_TOKENS = "vam_proxy_decode_first_tokens_total"
+PARTIAL_CHARACTER = {"reason": "partial character"}
+
 pytestmark = pytest.mark.engine
 
 COMPLETIONS = "/v1/completions"
@@ -173,15 +178,6 @@ def deployment(model: str, tmp_path_factory):
         yield pd, pd.add_proxy("--serial-legs")
 
 
-def proxy_count(url: str, name: str, labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(f"{name}{{") and labels in line
-    )
-
-
 def test_answers_equal_colocated_through_both_proxies(deployment, reference) -> None:
     pd, serial_url = deployment
     name = reference["name"]
@@ -193,9 +189,11 @@ def test_answers_equal_colocated_through_both_proxies(deployment, reference) -> 
             pulls += 1
         # Greedy requests continued from prefill's token, unless it was part of a character
         # (proxy/token_texts.py); seeded ones kept decode's.
-        continued = proxy_count(url, "vam_proxy_requests_total", 'legs="continued"')
-        partial = proxy_count(url, "vam_proxy_decode_first_tokens_total", "partial character")
-        seeded = proxy_count(url, "vam_proxy_decode_first_tokens_total", 'reason="seed"')
+        continued = metric(url, "vam_proxy_requests_total", {"legs": "continued"})
+        partial = metric(
+            url, "vam_proxy_decode_first_tokens_total", {"reason": "partial character"}
+        )
+        seeded = metric(url, DECODE_FIRST_TOKENS, {"reason": "seed"})
         assert seeded == len(CASES) // 2 * len(PROMPTS)
         assert continued + partial == len(CASES) // 2 * len(PROMPTS)
         assert continued > 0
@@ -209,13 +207,13 @@ def test_sampled_answers_continue_the_token_the_client_saw(deployment, reference
     pd, _ = deployment
     name = reference["name"]
     pulls_before = settled_pulls(pd)
-    before = proxy_count(pd.proxy_url, "vam_proxy_requests_total", 'legs="continued"')
+    before = metric(pd.proxy_url, "vam_proxy_requests_total", {"legs": "continued"})
     answers = []
     for index, prompt in enumerate(PROMPTS[:2]):
         request = body(name, COMPLETIONS, prompt, temperature=1.0, logprobs=0, stream=True)
         request["cache_salt"] = f"sampled {index}"
         answers.append((prompt, ask(pd.proxy_url, COMPLETIONS, request)))
-    continued = proxy_count(pd.proxy_url, "vam_proxy_requests_total", 'legs="continued"') - before
+    continued = metric(pd.proxy_url, "vam_proxy_requests_total", {"legs": "continued"}) - before
     for prompt, answer in answers:
         ids = prompt_ids(pd.prefill.base_url, name, prompt)
         scoring = {
@@ -232,7 +230,9 @@ def test_sampled_answers_continue_the_token_the_client_saw(deployment, reference
             colocated = scored[position][str(token)]["logprob"]
             assert abs(logprob - colocated) <= LOGPROB_TOLERANCE, (prompt[:20], position)
     # A first token that is part of a character keeps decode's (proxy/token_texts.py).
-    partial = proxy_count(pd.proxy_url, "vam_proxy_decode_first_tokens_total", "partial")
+    partial = metric(
+        pd.proxy_url, "vam_proxy_decode_first_tokens_total", {"reason": "partial character"}
+    )
     assert continued + partial >= len(answers) and continued >= 1
     assert_clean_transfers(pd, requests=pulls_before + len(answers))
 

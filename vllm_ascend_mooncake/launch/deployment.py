@@ -21,19 +21,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from ..connector.keys import CONNECTOR_NAME
 from ..defaults import DEFAULT_RELEASE_TIMEOUT_S
 from .ports import free_port, free_port_range
+from .prometheus import metric_samples, metric_sum, metrics_text
 from .servers import (
-    ServerError,
     VllmServer,
     start_helper,
     start_servers,
@@ -325,12 +322,16 @@ class LocalDeployment:
         """
         totals: dict[str, int] = {}
         if self.decode.is_running():
-            text = _metrics_text(self.decode.base_url)
-            totals["successful"] = _metric_sum(text, "vllm:mooncake_hetero_pull_seconds_count")
-            totals["failed"] = _metric_sum(text, "vllm:mooncake_hetero_failed_pulls_total")
+            text = metrics_text(self.decode.base_url)
+            totals["successful"] = round(
+                metric_sum(text, "vllm:mooncake_hetero_pull_seconds_count")
+            )
+            totals["failed"] = round(metric_sum(text, "vllm:mooncake_hetero_failed_pulls_total"))
         if self.prefill.is_running():
-            text = _metrics_text(self.prefill.base_url)
-            totals["expired"] = _metric_sum(text, "vllm:mooncake_hetero_expired_releases_total")
+            text = metrics_text(self.prefill.base_url)
+            totals["expired"] = round(
+                metric_sum(text, "vllm:mooncake_hetero_expired_releases_total")
+            )
         return totals
 
     def failed_pulls_by_kind(self) -> dict[str, int]:
@@ -339,8 +340,8 @@ class LocalDeployment:
         if not self.decode.is_running():
             return {}
         counts: dict[str, int] = {}
-        text = _metrics_text(self.decode.base_url)
-        for labels, value in _metric_samples(text, "vllm:mooncake_hetero_failed_pulls_total"):
+        text = metrics_text(self.decode.base_url)
+        for labels, value in metric_samples(text, "vllm:mooncake_hetero_failed_pulls_total"):
             if round(value):
                 counts[labels["kind"]] = counts.get(labels["kind"], 0) + round(value)
         return counts
@@ -360,27 +361,3 @@ class LocalDeployment:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _metrics_text(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
-        return response.read().decode()
-
-
-def _metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of metric ``name`` (``*_total``, ``*_count``: the sample's own name) in a
-    Prometheus text page, with its labels."""
-    return [
-        (sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    ]
-
-
-def _metric_sum(text: str, name: str) -> int:
-    """The sum of a metric's samples over all label sets; the metric must be exported."""
-    values = [value for _, value in _metric_samples(text, name)]
-    if not values:
-        raise ServerError(f"{name} is not exported: is the connector loaded?")
-    return round(sum(values))
