@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -29,6 +28,7 @@ from pd_checks import (
     complete,
     metric,
     summary,
+    wait_for_metric,
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
@@ -189,6 +189,7 @@ def test_negative_control_decode_uses_the_transferred_kv(
 
     def overlapped(attempt: int) -> dict:
         transfer_id = f"negative-control-{attempt}"
+        waiting_before = metric(pd.decode.base_url, "vllm:num_requests_waiting")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             decoding = pool.submit(
                 complete,
@@ -202,7 +203,13 @@ def test_negative_control_decode_uses_the_transferred_kv(
                 },
                 cache_salt=f"overlapped-{attempt}",
             )
-            time.sleep(1.0)  # decode admits the request and waits for the prefill
+            # decode admits the request, which waits for its KV, before prefill ever sees it
+            wait_for_metric(
+                pd.decode.base_url,
+                "vllm:num_requests_waiting",
+                waiting_before + 1,
+                "decode never admitted the overlapped request",
+            )
             prefill_y({"transfer_id": transfer_id}, cache_salt=f"overlapped-{attempt}")
             return decoding.result()
 
