@@ -361,3 +361,12 @@ class LocalDeployment:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+__all__ = [
+    "LOOPBACK",
+    "DeploymentSpec",
+    "Host",
+    "LocalDeployment",
+    "connector_config",
+]
