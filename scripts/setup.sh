@@ -100,8 +100,45 @@ ensure_venv() {
     fi
     local python
     python="$(find_python)"
+    if [ -n "$VLLM_SERIES" ] && seed_from_main_venv "$python"; then
+        return
+    fi
     say "creating virtualenv $VENV_NAME with $("$python" --version)"
     "$python" -m venv "$VENV"
+}
+
+# A series' virtualenv starts as hard links to .venv's packages when .venv is set up on the same
+# interpreter and file system: pip then swaps in the series' vLLM and, with the eager upgrade
+# install_packages asks for, every dependency a fresh install would pick (about 35 s instead of
+# 75 s). Hard links are safe to share: pip and Python replace files (new file, rename) and never
+# write into one. Fails, leaving nothing behind, where seeding cannot be done.
+seed_from_main_venv() {
+    local python="$1"
+    local main="$REPO_ROOT/.venv"
+    [ -f "$main/.vam-setup-stamp" ] && [ -x "$main/bin/python" ] || return 1
+    local version='import sys; print("%d.%d" % sys.version_info[:2])'
+    [ "$("$main/bin/python" -c "$version")" = "$("$python" -c "$version")" ] || return 1
+    "$python" -m venv --without-pip "$VENV"
+    local purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+    if ! cp -al "$("$main/bin/python" -c "$purelib")/." "$("$VENV/bin/python" -c "$purelib")/" \
+        2>/dev/null; then
+        rm -rf "$VENV"
+        return 1
+    fi
+    # Console scripts (ruff, pytest, ...) of the linked packages, pointed at this interpreter.
+    local script name
+    for script in "$main/bin/"*; do
+        name="$(basename "$script")"
+        [ -f "$script" ] && [ ! -e "$VENV/bin/$name" ] || continue
+        # pip names the interpreter in the shebang, or on line 2 or 3 (a /bin/sh trampoline)
+        if head -n 3 "$script" | grep -F "$main/bin/python" >/dev/null; then
+            sed "1,3s|$main/bin/python|$VENV/bin/python|g" "$script" >"$VENV/bin/$name"
+            chmod --reference="$script" "$VENV/bin/$name"
+        else
+            ln "$script" "$VENV/bin/$name"
+        fi
+    done
+    say "seeded virtualenv $VENV_NAME with hard links to .venv's packages"
 }
 
 requirements_hash() {
@@ -177,7 +214,9 @@ install_packages() {
     say "installing $what into $VENV_NAME (first run: several minutes)"
     local log="$VENV/pip-install.log"
     # ${arr[@]+...}: an empty array expands to nothing under `set -u` (bash < 4.4 too).
-    if ! "$VENV/bin/python" -m pip install -e '.[cpu,test]' \
+    # Eager upgrades: a virtualenv seeded from .venv, or set up before, ends with the versions a
+    # fresh install would resolve, not with whatever older ones still satisfy the requirements.
+    if ! "$VENV/bin/python" -m pip install --upgrade --upgrade-strategy eager -e '.[cpu,test]' \
         ${PIP_EXTRA_REQUIREMENTS[@]+"${PIP_EXTRA_REQUIREMENTS[@]}"} >"$log" 2>&1; then
         tail -n 40 "$log" >&2
         echo "[setup] error: pip install failed; full log: $log" >&2
