@@ -290,6 +290,15 @@ class Cluster:
         for decode in self.decode if ranks is None else [self.decode[r] for r in ranks]:
             decode.receiver.submit(self.order(request_id, local, remote))
 
+    def pull_and_check(self, local, remote, request_id="r1") -> None:
+        """Pull on every decode rank and check each one's blocks byte for byte against the
+        reference: every pull reported done, none failed."""
+        self.pull(request_id, local, remote)
+        for decode in self.decode:
+            decode.wait([request_id])
+            assert decode.done == {request_id} and not decode.failed, decode.failed
+            decode.check_blocks(self.ref, local, remote)
+
     def freed(self, prefill: Prefill, request_id: str, timeout_s: float = 5.0) -> bool:
         """Whether prefill frees the request's blocks within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -336,11 +345,7 @@ def test_gqa_merge_decode_tp1_reads_two_prefill_ranks_byte_exact(cluster) -> Non
 def test_token_major_slice_decode_tp2_reads_head_slices_through_staging(cluster) -> None:
     c = cluster(4, prefill_tp=1, decode_tp=2, token_major=True)
     local, remote = [5, 0, 6], [1, 8, 9]
-    c.pull("r1", local, remote)
-    for decode in c.decode:
-        decode.wait(["r1"])
-        assert decode.done == {"r1"} and not decode.failed
-        decode.check_blocks(c.ref, local, remote)
+    c.pull_and_check(local, remote)
     assert c.freed(c.prefill[0], "r1")
     assert sorted(c.prefill[0].notices) == [("t-r1", 0, True), ("t-r1", 1, True)]
 
@@ -358,11 +363,8 @@ def test_ascend_mla_nope_and_rope_caches_pull_byte_exact(cluster, prefill_tp, de
         assert [r.layout.head_token_bytes for r in side.cache.regions] == widths
         assert {r.layout.block_order for r in side.cache.regions} == {BlockOrder.LATENT}
     local, remote = [3, 4, 5, 9, 0], [6, 7, 8, 2, 11]  # a coalesced run and lone blocks
-    c.pull("r1", local, remote)
+    c.pull_and_check(local, remote)
     for decode in c.decode:
-        decode.wait(["r1"])
-        assert decode.done == {"r1"} and not decode.failed
-        decode.check_blocks(c.ref, local, remote)
         (stats,) = decode.receiver.take_stats()
         assert stats.num_bytes == len(local) * BLOCK_SIZE * sum(widths)  # each region once
     assert all(c.freed(p, "r1") for p in c.prefill)
@@ -677,11 +679,7 @@ def test_head_slices_reuse_the_whole_staging_area(cluster) -> None:
 
     c.decode[0].transport.read = recording
     local, remote = [5, 0, 6], [1, 8, 9]
-    c.pull("r1", local, remote)
-    for d in c.decode:
-        d.wait(["r1"])
-        assert d.done == {"r1"} and not d.failed
-        d.check_blocks(c.ref, local, remote)
+    c.pull_and_check(local, remote)
     assert len(batches) >= 2 and len(set(batches)) == 1, batches
 
 
@@ -1026,11 +1024,7 @@ def test_verified_pulls_of_every_topology_are_byte_exact(
     """Merges, slices through staging, replicated heads: no verified pull fails falsely."""
     c = cluster(heads, prefill_tp, decode_tp, token_major=token_major, options=VERIFIED)
     local, remote = [3, 4, 5, 9], [6, 7, 8, 2]
-    c.pull("r1", local, remote)
-    for decode in c.decode:
-        decode.wait(["r1"])
-        assert decode.done == {"r1"} and not decode.failed, decode.failed
-        decode.check_blocks(c.ref, local, remote)
+    c.pull_and_check(local, remote)
 
 
 @pytest.mark.parametrize("verify", [True, False])
