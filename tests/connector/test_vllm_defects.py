@@ -10,11 +10,8 @@ import pytest
 from transformers import AutoConfig
 
 from vllm_ascend_mooncake.connector.vllm_defects import mla_plain_rope_on_cpu, rope_type
-from vllm_ascend_mooncake.launch.tiny_model import (
-    TinyMLAModelSpec,
-    TinyModelSpec,
-    build_tiny_model,
-)
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def model_config(spec, use_mla: bool) -> SimpleNamespace:

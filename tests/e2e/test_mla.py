@@ -63,7 +63,8 @@ from pd_checks import complete_ids as complete
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
-from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, build_tiny_model
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
+from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
 
 DTYPE = "bfloat16"

@@ -3,7 +3,8 @@ seed gives the same draw, and the draws cover every value each axis may take."""
 
 from __future__ import annotations
 
-from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, TinyModelSpec
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
 from vllm_ascend_mooncake.testing import geometry_draw
 from vllm_ascend_mooncake.testing.geometry_draw import (
     ARCHITECTURES,

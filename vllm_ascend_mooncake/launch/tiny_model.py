@@ -9,7 +9,7 @@ Nothing may be downloaded, so :func:`build_tiny_model` writes such a directory f
 * ``config.json`` / ``generation_config.json``: a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
   (biased Q/K/V projections) with the requested shape (:class:`TinyModelSpec`), or a dense
   ``DeepseekV2ForCausalLM`` whose attention is MLA with a latent KV cache
-  (:class:`TinyMLAModelSpec`);
+  (:class:`~.tiny_mla_model.TinyMLAModelSpec`);
 * ``model.safetensors``: random weights drawn from a seeded generator;
 * ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer trained locally on a
   generated corpus, with BOS/EOS tokens and a plain chat template (:mod:`.tiny_tokenizer`).
@@ -35,7 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_ascend_mooncake import deps
 
@@ -72,17 +72,83 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 #   the next token depends on particular earlier tokens, not only on the last one;
 # * the LM head is scaled so logits spread by about 8: greedy argmax margins are then far larger
 #   than the rounding differences between bfloat16/float32 or between TP layouts.
-_EMBEDDING_STD = 1.0
-_QUERY_KEY_GAIN = 2.0
-_PROJECTION_GAIN = 1.0
-_LOGIT_STD = 8.0
+EMBEDDING_STD = 1.0
+QUERY_KEY_GAIN = 2.0
+PROJECTION_GAIN = 1.0
+LOGIT_STD = 8.0
 
 #: Qwen2's Q/K/V biases: small beside the projections' outputs (order 1), not zero, so a bias
 #: that vLLM dropped or sharded wrongly changes the answers.
 _QKV_BIAS_STD = 0.1
 
-_ROPE_THETA = 10000.0
-_RMS_NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+RMS_NORM_EPS = 1e-5
+
+
+#: (name, shape, std) of one weight tensor; std ``None`` means all ones.
+WeightShape = tuple[str, tuple[int, ...], float | None]
+
+
+class TinyCheckpointSpec(Protocol):
+    """What :func:`build_tiny_model` needs of a spec: :class:`TinyModelSpec` or
+    :class:`~.tiny_mla_model.TinyMLAModelSpec`."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def fingerprint(self) -> str: ...
+
+    def directory_name(self) -> str: ...
+
+    def config(self, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]: ...
+
+    def weight_shapes(self) -> Iterator[WeightShape]: ...
+
+
+def check_spec_fields(spec: Any, not_sizes: Sequence[str]) -> None:
+    """The checks every spec shares: each field but ``not_sizes`` a positive int (``seed`` may be
+    0), a vocabulary the tokenizer fits in, a dtype vLLM CPU serves."""
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name in not_sizes:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{field.name} must be an int, got {value!r}")
+        if field.name != "seed" and value <= 0:
+            raise ValueError(f"{field.name} must be positive, got {value}")
+    if spec.vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {spec.vocab_size}"
+        )
+    if spec.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {spec.dtype!r}")
+
+
+def spec_fingerprint(spec: TinyCheckpointSpec) -> str:
+    """Hex digest identifying the files ``spec`` builds (changes with FORMAT_VERSION)."""
+    payload = json.dumps({"format_version": FORMAT_VERSION, "spec": spec.to_dict()}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Iterator[WeightShape]:
+    """A layer's post-attention norm and gated MLP, which both model kinds share."""
+    yield f"{prefix}.post_attention_layernorm.weight", (hidden,), None
+    for name in ("gate_proj", "up_proj"):
+        yield (
+            f"{prefix}.mlp.{name}.weight",
+            (intermediate, hidden),
+            PROJECTION_GAIN / math.sqrt(hidden),
+        )
+    yield (
+        f"{prefix}.mlp.down_proj.weight",
+        (hidden, intermediate),
+        PROJECTION_GAIN / math.sqrt(intermediate),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +182,7 @@ class TinyModelSpec:
             object.__setattr__(self, "hidden_size", self.num_attention_heads * self.head_dim)
         if self.intermediate_size is None:
             object.__setattr__(self, "intermediate_size", 2 * self.hidden)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in ("dtype", "architecture"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{field.name} must be an int, got {value!r}")
-            if field.name != "seed" and value <= 0:
-                raise ValueError(f"{field.name} must be positive, got {value}")
+        check_spec_fields(self, not_sizes=("dtype", "architecture"))
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -136,13 +195,6 @@ class TinyModelSpec:
                 f"a Qwen2 model's head_dim is hidden_size / num_attention_heads: hidden_size "
                 f"{self.hidden} != {self.num_attention_heads} x {self.head_dim}"
             )
-        if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(
-                f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
-                f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
-            )
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
 
     @property
     def hidden(self) -> int:
@@ -162,10 +214,7 @@ class TinyModelSpec:
 
     def fingerprint(self) -> str:
         """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
-        payload = json.dumps(
-            {"format_version": FORMAT_VERSION, "spec": self.to_dict()}, sort_keys=True
-        )
-        return hashlib.sha256(payload.encode()).hexdigest()
+        return spec_fingerprint(self)
 
     def directory_name(self) -> str:
         """Readable, collision-free directory name for the cache."""
@@ -174,112 +223,71 @@ class TinyModelSpec:
             f"-d{self.head_dim}-{self.dtype}-{self.fingerprint()[:16]}"
         )
 
+    def config(self, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+        """``config.json``: vLLM's Llama or Qwen2 with this shape."""
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.architecture]],
+            "model_type": self.architecture,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": RMS_NORM_EPS,
+            "rope_theta": ROPE_THETA,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "torch_dtype": self.dtype,
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
+            "use_cache": True,
+        }
+        if self.architecture == "qwen2":
+            # Qwen2 always biases Q/K/V (no attention_bias switch); no sliding window.
+            for key in ("attention_bias", "mlp_bias", "head_dim"):
+                del config[key]
+            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        return config
 
-#: RoPE variants of :class:`TinyMLAModelSpec` (see its docstring).
-MLA_ROPE_KINDS = ("yarn", "default")
-
-
-@dataclasses.dataclass(frozen=True)
-class TinyMLAModelSpec:
-    """Shape and seed of a tiny DeepSeek-V2 model: multi-head latent attention (MLA), dense MLPs.
-
-    The defaults keep DeepSeek-V2's real latent geometry, ``kv_lora_rank + qk_rope_head_dim`` =
-    576 elements per token, the only head size vLLM CPU's MLA backends (``CPU_MLA``,
-    ``AMX_MLA``) support; they also need ``bfloat16`` (AMX) or accept it (the reference
-    backend). Queries come from one ``q_proj`` (``q_lora_rank`` None, as in DeepSeek-V2-Lite),
-    and no layer is a mixture of experts (``first_k_dense_replace`` = ``num_layers``).
-
-    ``rope`` is ``"yarn"`` by default, as in DeepSeek-V2's own configs, here with scaling
-    factor 1 (the same rotation as plain RoPE): vLLM then rotates with
-    ``DeepseekScalingRotaryEmbedding`` in PyTorch. ``"default"`` (plain RoPE, what a bare
-    ``DeepseekV2Config`` gives) makes vLLM CPU use its ``rotary_embedding`` C++ op, which
-    misaddresses MLA's strided ``q_pe``/``k_pe`` views in every forward of more than one token
-    (vLLM 0.32; see tests/e2e/test_mla.py): prefill's cached latent then differs from what a
-    one-token forward writes, so P/D and colocated answers differ.
-
-    ``hidden_size`` defaults to ``num_attention_heads * v_head_dim`` and ``intermediate_size`` to
-    twice the hidden size, resolved at construction as in :class:`TinyModelSpec`.
-    """
-
-    num_layers: int = 2
-    num_attention_heads: int = 8
-    kv_lora_rank: int = 512
-    qk_rope_head_dim: int = 64
-    qk_nope_head_dim: int = 128
-    v_head_dim: int = 128
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    vocab_size: int = 512
-    max_position_embeddings: int = 1024
-    dtype: str = "bfloat16"
-    rope: str = "yarn"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.hidden_size is None:
-            object.__setattr__(self, "hidden_size", self.num_attention_heads * self.v_head_dim)
-        if self.intermediate_size is None:
-            object.__setattr__(self, "intermediate_size", 2 * self.hidden)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in ("dtype", "rope"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{field.name} must be an int, got {value!r}")
-            if field.name != "seed" and value <= 0:
-                raise ValueError(f"{field.name} must be positive, got {value}")
-        if self.rope not in MLA_ROPE_KINDS:
-            raise ValueError(f"rope must be one of {MLA_ROPE_KINDS}, got {self.rope!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}"
+    def weight_shapes(self) -> Iterator[WeightShape]:
+        """Every tensor, in a fixed order."""
+        hidden, heads_width = self.hidden, self.num_attention_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        query_key_std = QUERY_KEY_GAIN / math.sqrt(hidden)
+        yield "model.embed_tokens.weight", (self.vocab_size, hidden), EMBEDDING_STD
+        for layer in range(self.num_layers):
+            prefix = f"model.layers.{layer}"
+            yield f"{prefix}.input_layernorm.weight", (hidden,), None
+            yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
+            yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
+            yield (
+                f"{prefix}.self_attn.v_proj.weight",
+                (kv_width, hidden),
+                PROJECTION_GAIN / math.sqrt(hidden),
             )
-        if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(
-                f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
-                f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
+            if self.architecture == "qwen2":
+                for name, width in (
+                    ("q_proj", heads_width),
+                    ("k_proj", kv_width),
+                    ("v_proj", kv_width),
+                ):
+                    yield f"{prefix}.self_attn.{name}.bias", (width,), _QKV_BIAS_STD
+            yield (
+                f"{prefix}.self_attn.o_proj.weight",
+                (hidden, heads_width),
+                PROJECTION_GAIN / math.sqrt(heads_width),
             )
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-
-    @property
-    def hidden(self) -> int:
-        """The resolved hidden size (never ``None``)."""
-        assert self.hidden_size is not None
-        return self.hidden_size
-
-    @property
-    def intermediate(self) -> int:
-        """The resolved MLP intermediate size (never ``None``)."""
-        assert self.intermediate_size is not None
-        return self.intermediate_size
-
-    @property
-    def latent_size(self) -> int:
-        """Elements of one token's latent KV cache entry (vLLM's MLA head size)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        """All fields with derived sizes resolved, and the architecture; the cache key's input."""
-        return {"architecture": "deepseek_v2", **dataclasses.asdict(self)}
-
-    def fingerprint(self) -> str:
-        """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
-        payload = json.dumps(
-            {"format_version": FORMAT_VERSION, "spec": self.to_dict()}, sort_keys=True
-        )
-        return hashlib.sha256(payload.encode()).hexdigest()
-
-    def directory_name(self) -> str:
-        """Readable, collision-free directory name for the cache."""
-        return (
-            f"deepseek_v2-l{self.num_layers}-h{self.num_attention_heads}-lora{self.kv_lora_rank}"
-            f"-rope{self.qk_rope_head_dim}-{self.rope}-{self.dtype}-{self.fingerprint()[:16]}"
-        )
-
-
-#: Either kind of spec :func:`build_tiny_model` builds.
-AnyTinyModelSpec = TinyModelSpec | TinyMLAModelSpec
+            yield from mlp_shapes(prefix, hidden, self.intermediate)
+        yield "model.norm.weight", (hidden,), None
+        yield "lm_head.weight", (self.vocab_size, hidden), LOGIT_STD / math.sqrt(hidden)
 
 
 def default_cache_root() -> Path:
@@ -291,7 +299,7 @@ def default_cache_root() -> Path:
 
 
 def build_tiny_model(
-    spec: AnyTinyModelSpec | None = None, cache_root: str | os.PathLike[str] | None = None
+    spec: TinyCheckpointSpec | None = None, cache_root: str | os.PathLike[str] | None = None
 ) -> Path:
     """Return the directory of the model described by ``spec``, building it if not cached.
 
@@ -323,7 +331,7 @@ def build_tiny_model(
     return target
 
 
-def write_model_files(spec: AnyTinyModelSpec, directory: Path) -> None:
+def write_model_files(spec: TinyCheckpointSpec, directory: Path) -> None:
     """Write all files of ``spec``'s model into the existing ``directory`` (no caching)."""
     tokenizer = train_tokenizer(spec.vocab_size)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
@@ -335,12 +343,7 @@ def write_model_files(spec: AnyTinyModelSpec, directory: Path) -> None:
         directory / "special_tokens_map.json",
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     )
-    config = (
-        _mla_model_config(spec, bos_id, eos_id, pad_id)
-        if isinstance(spec, TinyMLAModelSpec)
-        else _model_config(spec, bos_id, eos_id, pad_id)
-    )
-    _write_json(directory / "config.json", config)
+    _write_json(directory / "config.json", spec.config(bos_id, eos_id, pad_id))
     _write_json(
         directory / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
@@ -366,203 +369,13 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _model_config(spec: TinyModelSpec, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[spec.architecture]],
-        "model_type": spec.architecture,
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "hidden_act": "silu",
-        "rms_norm_eps": _RMS_NORM_EPS,
-        "rope_theta": _ROPE_THETA,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "torch_dtype": spec.dtype,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "use_cache": True,
-    }
-    if spec.architecture == "qwen2":
-        # Qwen2 always biases Q/K/V (no attention_bias switch); no sliding window.
-        for key in ("attention_bias", "mlp_bias", "head_dim"):
-            del config[key]
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
-    return config
-
-
-def _mla_model_config(
-    spec: TinyMLAModelSpec, bos_id: int, eos_id: int, pad_id: int
-) -> dict[str, Any]:
-    """A dense DeepSeek-V2 config (transformers' ``DeepseekV2Config`` keys; no experts)."""
-    return {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "moe_intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_attention_heads,
-        "kv_lora_rank": spec.kv_lora_rank,
-        "q_lora_rank": None,
-        "qk_rope_head_dim": spec.qk_rope_head_dim,
-        "qk_nope_head_dim": spec.qk_nope_head_dim,
-        "v_head_dim": spec.v_head_dim,
-        "head_dim": spec.qk_rope_head_dim,
-        # transformers wants expert counts; first_k_dense_replace makes every layer dense.
-        "n_routed_experts": 1,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 1,
-        "first_k_dense_replace": spec.num_layers,
-        "moe_layer_freq": 1,
-        "topk_method": "greedy",
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "hidden_act": "silu",
-        "rms_norm_eps": _RMS_NORM_EPS,
-        "rope_theta": _ROPE_THETA,
-        "rope_scaling": _mla_rope_scaling(spec),
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "torch_dtype": spec.dtype,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "use_cache": True,
-    }
-
-
-def _mla_rope_scaling(spec: TinyMLAModelSpec) -> dict[str, Any] | None:
-    """DeepSeek's YaRN with factor 1 (no interpolation: plain RoPE's angles, mscale 1), or none."""
-    if spec.rope == "default":
-        return None
-    return {
-        "type": "yarn",
-        "factor": 1.0,
-        "original_max_position_embeddings": spec.max_position_embeddings,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-
-
-def _weight_shapes(spec: TinyModelSpec) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
-    """(name, shape, std) for every tensor, in a fixed order; std ``None`` means all ones."""
-    hidden, heads_width = spec.hidden, spec.num_attention_heads * spec.head_dim
-    kv_width = spec.num_kv_heads * spec.head_dim
-    query_key_std = _QUERY_KEY_GAIN / math.sqrt(hidden)
-    yield "model.embed_tokens.weight", (spec.vocab_size, hidden), _EMBEDDING_STD
-    for layer in range(spec.num_layers):
-        prefix = f"model.layers.{layer}"
-        yield f"{prefix}.input_layernorm.weight", (hidden,), None
-        yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
-        yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
-        yield (
-            f"{prefix}.self_attn.v_proj.weight",
-            (kv_width, hidden),
-            _PROJECTION_GAIN / math.sqrt(hidden),
-        )
-        if spec.architecture == "qwen2":
-            for name, width in (
-                ("q_proj", heads_width),
-                ("k_proj", kv_width),
-                ("v_proj", kv_width),
-            ):
-                yield f"{prefix}.self_attn.{name}.bias", (width,), _QKV_BIAS_STD
-        yield (
-            f"{prefix}.self_attn.o_proj.weight",
-            (hidden, heads_width),
-            _PROJECTION_GAIN / math.sqrt(heads_width),
-        )
-        yield f"{prefix}.post_attention_layernorm.weight", (hidden,), None
-        for name in ("gate_proj", "up_proj"):
-            yield (
-                f"{prefix}.mlp.{name}.weight",
-                (spec.intermediate, hidden),
-                _PROJECTION_GAIN / math.sqrt(hidden),
-            )
-        yield (
-            f"{prefix}.mlp.down_proj.weight",
-            (hidden, spec.intermediate),
-            _PROJECTION_GAIN / math.sqrt(spec.intermediate),
-        )
-    yield "model.norm.weight", (hidden,), None
-    yield "lm_head.weight", (spec.vocab_size, hidden), _LOGIT_STD / math.sqrt(hidden)
-
-
-def _mla_weight_shapes(
-    spec: TinyMLAModelSpec,
-) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
-    """(name, shape, std) for every tensor of the DeepSeek-V2 model, as vLLM loads them.
-
-    The scales follow the Llama ones: queries and both key parts (``k_nope`` from the normalised
-    latent through ``kv_b_proj``, ``k_pe`` straight from ``kv_a_proj_with_mqa``) get the
-    query/key gain, so attention stays sharp; values and outputs keep activations of order 1."""
-    hidden, heads = spec.hidden, spec.num_attention_heads
-    qk_head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-    query_key_std = _QUERY_KEY_GAIN / math.sqrt(hidden)
-    yield "model.embed_tokens.weight", (spec.vocab_size, hidden), _EMBEDDING_STD
-    for layer in range(spec.num_layers):
-        prefix = f"model.layers.{layer}"
-        yield f"{prefix}.input_layernorm.weight", (hidden,), None
-        yield f"{prefix}.self_attn.q_proj.weight", (heads * qk_head_dim, hidden), query_key_std
-        yield (
-            f"{prefix}.self_attn.kv_a_proj_with_mqa.weight",
-            (spec.latent_size, hidden),
-            query_key_std,
-        )
-        yield f"{prefix}.self_attn.kv_a_layernorm.weight", (spec.kv_lora_rank,), None
-        # kv_b_proj's rows: per head, qk_nope_head_dim rows of k_nope then v_head_dim rows of v.
-        # One std for both (the key gain): the value rows only scale the attention output.
-        yield (
-            f"{prefix}.self_attn.kv_b_proj.weight",
-            (heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
-            _QUERY_KEY_GAIN / math.sqrt(spec.kv_lora_rank),
-        )
-        yield (
-            f"{prefix}.self_attn.o_proj.weight",
-            (hidden, heads * spec.v_head_dim),
-            _PROJECTION_GAIN / math.sqrt(heads * spec.v_head_dim),
-        )
-        yield f"{prefix}.post_attention_layernorm.weight", (hidden,), None
-        for name in ("gate_proj", "up_proj"):
-            yield (
-                f"{prefix}.mlp.{name}.weight",
-                (spec.intermediate, hidden),
-                _PROJECTION_GAIN / math.sqrt(hidden),
-            )
-        yield (
-            f"{prefix}.mlp.down_proj.weight",
-            (hidden, spec.intermediate),
-            _PROJECTION_GAIN / math.sqrt(spec.intermediate),
-        )
-    yield "model.norm.weight", (hidden,), None
-    yield "lm_head.weight", (spec.vocab_size, hidden), _LOGIT_STD / math.sqrt(hidden)
-
-
-def _write_weights(spec: AnyTinyModelSpec, path: Path) -> None:
+def _write_weights(spec: TinyCheckpointSpec, path: Path) -> None:
     torch = deps.require_torch()
     safetensors_torch = deps.require_safetensors_torch()
     generator = torch.Generator(device="cpu").manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
     tensors = {}
-    shapes = (
-        _mla_weight_shapes(spec) if isinstance(spec, TinyMLAModelSpec) else _weight_shapes(spec)
-    )
-    for name, shape, std in shapes:
+    for name, shape, std in spec.weight_shapes():
         if std is None:
             values = torch.ones(shape, dtype=torch.float32)
         else:

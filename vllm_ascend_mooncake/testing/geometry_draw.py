@@ -27,7 +27,8 @@ import os
 import random
 from dataclasses import dataclass
 
-from vllm_ascend_mooncake.launch.tiny_model import TinyMLAModelSpec, TinyModelSpec
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
 
 ARCHITECTURES = ("llama", "qwen2", "deepseek_mla")
 TP_SIZES = (1, 2, 4)
