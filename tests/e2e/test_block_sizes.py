@@ -11,6 +11,8 @@ token for token (float32), every pull succeed, both prefills compute prompts and
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import pytest
 from pd_checks import (
@@ -24,6 +26,7 @@ from pd_checks import (
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.launch.servers import start_servers, stop_all
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -48,43 +51,40 @@ def test_decode_64_is_fed_by_prefills_with_32_and_128_token_blocks(tmp_path) -> 
         prefill_block_size=32,
         log_dir=str(tmp_path),
     )
-    with LocalDeployment(spec) as pd:
-        large = pd.make_server(
-            "kv_producer",
-            name="prefill-128",
-            prefill_tp=1,
-            prefill_block_size=128,
-            side_channel_port=free_port_range(1),
-        )
-        try:
-            large.start()
-            large.wait_ready(600)
-            proxy = pd.add_proxy("--prefill", large.base_url)
-            name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
-            expected = {p: complete(pd.decode.base_url, name, p) for p in PROMPTS}
-            prefills = (pd.prefill.base_url, large.base_url)
-            before = {url: metric(url, "vllm:prompt_tokens_total") for url in prefills}
+    pd = LocalDeployment(spec)
+    large = pd.add_server(
+        "kv_producer",
+        name="prefill-128",
+        prefill_tp=1,
+        prefill_block_size=128,
+        side_channel_port=free_port_range(1),
+    )
+    with pd:
+        proxy = pd.add_proxy("--prefill", large.base_url)
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        expected = {p: complete(pd.decode.base_url, name, p) for p in PROMPTS}
+        prefills = (pd.prefill.base_url, large.base_url)
+        before = {url: metric(url, "vllm:prompt_tokens_total") for url in prefills}
 
-            for prompt in PROMPTS:
-                assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
+        for prompt in PROMPTS:
+            assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
 
-            computed = {
-                url: metric(url, "vllm:prompt_tokens_total") - before[url] for url in prefills
-            }
-            assert all(tokens > 0 for tokens in computed.values()), computed
-            assert_clean_transfers(pd, requests=len(PROMPTS))
-            assert_extra_prefill_clean(large.base_url, "the 128-token prefill")
-            decode_log = (tmp_path / "decode.log").read_text(errors="replace")
-            assert "Traceback" not in decode_log
-            assert "CPU_ATTN/vec" in decode_log, "decode did not run vLLM CPU's vec kernel"
-        finally:
-            large.stop()
+        computed = {url: metric(url, "vllm:prompt_tokens_total") - before[url] for url in prefills}
+        assert all(tokens > 0 for tokens in computed.values()), computed
+        assert_clean_transfers(pd, requests=len(PROMPTS))
+        assert_extra_prefill_clean(large.base_url, "the 128-token prefill")
+        decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert "Traceback" not in decode_log
+        assert "CPU_ATTN/vec" in decode_log, "decode did not run vLLM CPU's vec kernel"
     print(f"[block sizes] prompt tokens computed per prefill instance: {computed}")
 
 
-#: Prefill instances beside decode TP 2 / 64-token blocks: (TP, block size), both directions of
-#: the size ratio at every prefill TP. The first is the deployment's own prefill.
-DECODE_TP2_FEEDERS = [(1, 32), (1, 128), (2, 32), (2, 128), (4, 32), (4, 128)]
+#: Prefill instances feeding decode TP 2 / 64-token blocks: (TP, block size), both directions of
+#: the size ratio at every prefill TP. The first is the deployment's own; the others start a group
+#: at a time (start-ups overlap; a TP 4 instance holds ~7.9 GiB, so at most one at a time).
+DECODE_TP2_OWN_PREFILL = (1, 32)
+DECODE_TP2_FEEDER_GROUPS = [[(4, 32), (1, 128)], [(4, 128)], [(2, 32), (2, 128)]]
+DECODE_TP2_FEEDERS = [DECODE_TP2_OWN_PREFILL, *itertools.chain(*DECODE_TP2_FEEDER_GROUPS)]
 
 
 def test_decode_tp2_with_64_token_blocks_is_fed_by_prefills_of_every_tp_and_size(tmp_path) -> None:
@@ -97,7 +97,7 @@ def test_decode_tp2_with_64_token_blocks_is_fed_by_prefills_of_every_tp_and_size
     decode's prefix cache out of the way: answers equal decode's colocated ones, every pull on
     both decode ranks succeeds and every prefill frees every block."""
     model = str(build_tiny_model(TinyModelSpec(num_kv_heads=4, dtype="float32")))
-    (first_tp, first_block), *others = DECODE_TP2_FEEDERS
+    first_tp, first_block = DECODE_TP2_OWN_PREFILL
     spec = DeploymentSpec(
         model=model,
         prefill_tp=first_tp,
@@ -123,22 +123,24 @@ def test_decode_tp2_with_64_token_blocks_is_fed_by_prefills_of_every_tp_and_size
             assert metric(prefill_url, "vllm:prompt_tokens_total") > before, what
 
         serve_through(pd.prefill.base_url, f"prefill TP {first_tp} / {first_block}")
-        for tp, block in others:
-            what = f"prefill TP {tp} / {block}"
-            prefill = pd.make_server(
-                "kv_producer",
-                name=f"prefill-tp{tp}-b{block}",
-                prefill_tp=tp,
-                prefill_block_size=block,
-                side_channel_port=free_port_range(tp),
-            )
+        for group in DECODE_TP2_FEEDER_GROUPS:
+            prefills = {
+                f"prefill TP {tp} / {block}": pd.make_server(
+                    "kv_producer",
+                    name=f"prefill-tp{tp}-b{block}",
+                    prefill_tp=tp,
+                    prefill_block_size=block,
+                    side_channel_port=free_port_range(tp),
+                )
+                for tp, block in group
+            }
             try:
-                prefill.start()
-                prefill.wait_ready(600)
-                serve_through(prefill.base_url, what)
-                assert_extra_prefill_clean(prefill.base_url, what)
+                start_servers(list(prefills.values()), 600)
+                for what, prefill in prefills.items():
+                    serve_through(prefill.base_url, what)
+                    assert_extra_prefill_clean(prefill.base_url, what)
             finally:
-                prefill.stop()
+                stop_all((), prefills.values())
         assert_clean_transfers(pd, requests=len(prompts) * len(DECODE_TP2_FEEDERS))
         decode_log = (tmp_path / "decode.log").read_text(errors="replace")
         assert "Traceback" not in decode_log

@@ -43,28 +43,24 @@ def prompt_tokens(url: str) -> float:
 def test_one_decode_is_fed_by_a_tp2_and_a_tp1_prefill_through_one_proxy(tmp_path) -> None:
     model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype="float32")))
     spec = DeploymentSpec(model=model, prefill_tp=2, decode_tp=1, log_dir=str(tmp_path))
-    with LocalDeployment(spec) as pd:
-        # A TP 1 prefill beside the deployment's TP 2 one, on side-channel ports of its own.
-        small = pd.make_server(
-            "kv_producer", name="prefill-tp1", prefill_tp=1, side_channel_port=free_port_range(1)
-        )
-        try:
-            small.start()
-            small.wait_ready(600)
-            proxy = pd.add_proxy("--prefill", small.base_url)
-            name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
-            expected = {p: complete(pd.decode.base_url, name, p) for p in PROMPTS}
-            before = {url: prompt_tokens(url) for url in (pd.prefill.base_url, small.base_url)}
+    pd = LocalDeployment(spec)
+    # A TP 1 prefill beside the deployment's TP 2 one, on side-channel ports of its own.
+    small = pd.add_server(
+        "kv_producer", name="prefill-tp1", prefill_tp=1, side_channel_port=free_port_range(1)
+    )
+    with pd:
+        proxy = pd.add_proxy("--prefill", small.base_url)
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        expected = {p: complete(pd.decode.base_url, name, p) for p in PROMPTS}
+        before = {url: prompt_tokens(url) for url in (pd.prefill.base_url, small.base_url)}
 
-            for prompt in PROMPTS:
-                assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
+        for prompt in PROMPTS:
+            assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
 
-            computed = {url: prompt_tokens(url) - before[url] for url in before}
-            assert all(tokens > 0 for tokens in computed.values()), computed
-            assert_clean_transfers(pd, requests=len(PROMPTS))  # decode's pulls, the TP 2 prefill
-            assert_extra_prefill_clean(small.base_url, "the TP 1 prefill")
-            decode_log = (tmp_path / "decode.log").read_text(errors="replace")
-            assert "Traceback" not in decode_log
-        finally:
-            small.stop()
+        computed = {url: prompt_tokens(url) - before[url] for url in before}
+        assert all(tokens > 0 for tokens in computed.values()), computed
+        assert_clean_transfers(pd, requests=len(PROMPTS))  # decode's pulls, the TP 2 prefill
+        assert_extra_prefill_clean(small.base_url, "the TP 1 prefill")
+        decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert "Traceback" not in decode_log
     print(f"[mixed tp] prompt tokens computed per prefill instance: {computed}")

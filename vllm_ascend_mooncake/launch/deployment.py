@@ -152,6 +152,7 @@ class LocalDeployment:
         self.proxy_log = log_dir / "proxy.log"
         self._proxy: subprocess.Popen[bytes] | None = None
         self._extra_proxies: list[subprocess.Popen[bytes]] = []
+        self._extra_servers: list[VllmServer] = []
 
     def make_server(
         self,
@@ -191,6 +192,17 @@ class LocalDeployment:
             extra_env={"VLLM_HOST_IP": host.address, **self._env},
             log_path=self.log_dir / f"{name or ('prefill' if producer else 'decode')}.log",
         )
+
+    def add_server(self, role: str, *, name: str, **overrides: Any) -> VllmServer:
+        """An instance beside the deployment's own (e.g. a prefill of another TP or block size,
+        with a ``side_channel_port`` of its own), made like :meth:`make_server`: started with
+        them, their start-ups overlapping (an engine start takes ~25 s, mostly one core
+        importing), or at once if the deployment runs already; stopped with them."""
+        server = self.make_server(role, name=name, **overrides)
+        self._extra_servers.append(server)
+        if self._proxy is not None:
+            start_servers((server,), 600.0)
+        return server
 
     def kill(self, role: str) -> None:
         """SIGKILL a whole instance (its process group), ``"prefill"`` or ``"decode"``, as a
@@ -238,17 +250,19 @@ class LocalDeployment:
         return f"http://{self.proxy_host.address}:{self.proxy_port}"
 
     def start(self, timeout_s: float = 600.0, *, one_at_a_time: bool = False) -> float:
-        """Start everything: both instances until they answer `/health`, then the proxy.
+        """Start everything: both instances (and those of :meth:`add_server`) until they answer
+        `/health`, then the proxy.
 
         The instances start at the same time unless ``one_at_a_time``: instances sharing one
         GPU must not profile its memory while the other allocates (vLLM sizes its KV cache
         from what the profiling run saw)."""
         started = time.monotonic()
+        servers = (self.prefill, self.decode, *self._extra_servers)
         if one_at_a_time:
-            for server in (self.prefill, self.decode):
+            for server in servers:
                 start_servers((server,), max(1.0, timeout_s - (time.monotonic() - started)))
         else:
-            start_servers((self.prefill, self.decode), timeout_s)
+            start_servers(servers, timeout_s)
         self._proxy = self._start_proxy(self.proxy_port, self.proxy_log, self.spec.proxy_args)
         return time.monotonic() - started
 
@@ -290,8 +304,11 @@ class LocalDeployment:
         )
 
     def stop(self) -> None:
-        """Stop the proxies, then decode and prefill (each by process group)."""
-        stop_all((self._proxy, *self._extra_proxies), (self.decode, self.prefill))
+        """Stop the proxies, then decode, prefill and the added instances (each by process
+        group)."""
+        stop_all(
+            (self._proxy, *self._extra_proxies), (self.decode, self.prefill, *self._extra_servers)
+        )
 
     def process_groups(self) -> list[int]:
         """Process-group ids of the instances and of the proxies started (each runs in a
