@@ -36,9 +36,10 @@ def test_decode_refuses_to_start_beside_a_prefill_of_another_dtype_and_block_siz
     pd = LocalDeployment(spec)
     pd.prefill = pd.make_server("kv_producer", dtype="bfloat16")
     try:
+        # Started together, as a deployment is: decode's start-up pairing waits for prefill.
         pd.prefill.start()
-        pd.prefill.wait_ready(600)
         pd.decode.start()
+        pd.prefill.wait_ready(600)
         with pytest.raises(ServerError, match="exited with code"):
             pd.decode.wait_ready(600)
         log = (tmp_path / "decode.log").read_text(errors="replace")
