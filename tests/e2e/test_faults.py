@@ -66,10 +66,17 @@ class LeavingClient:
     """A streamed completion over a plain socket, so the test picks the instant its client hangs
     up (an HTTP library's read timeout would tie that instant to how fast the machine decodes)."""
 
-    def __init__(self, url: str, name: str, prompt: str) -> None:
+    def __init__(self, url: str, name: str, prompt: str, **extra) -> None:
         address = httpx.URL(url)
         body = json.dumps(
-            {"model": name, "prompt": prompt, "max_tokens": 50, "temperature": 0, "stream": True}
+            {
+                "model": name,
+                "prompt": prompt,
+                "max_tokens": 50,
+                "temperature": 0,
+                "stream": True,
+                **extra,
+            }
         ).encode()
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n"
@@ -145,17 +152,11 @@ def deployment(tmp_path_factory):
         proxy_args=("--first-token", "decode"),
     )
     pd = LocalDeployment(spec)
-    strict = pd.make_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
-    try:
-        strict.start()
-        pd.start()
-        strict.wait_ready()
+    strict = pd.add_server("kv_consumer", name="decode-fail", decode_failure_policy="fail")
+    with pd:
         name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
         reference = {p: tokens(completion(pd.prefill.base_url, name, p)) for p in (PROMPT, OTHER)}
         yield pd, strict, name, reference
-    finally:
-        strict.stop()
-        pd.stop()
 
 
 @pytest.fixture(scope="module")
@@ -411,7 +412,7 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     seen_waiting_batches = 3
     pulls = "vllm:mooncake_hetero_pull_seconds_count"
     pulled_before = metric(decode, pulls)
-    with concurrent.futures.ThreadPoolExecutor((1 + queued_batches) * MAX_NUM_SEQS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2 * MAX_NUM_SEQS) as pool:
         running = [  # through P/D: they fill decode's batch
             pool.submit(completion, proxy_url, name, OTHER, **long_body)
             for _ in range(MAX_NUM_SEQS)
@@ -421,9 +422,15 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
         # at 2 within 60 s although decode's log showed both running for the 3 s their 924
         # tokens took, so the test must not depend on polling inside that window.
         wait_for_metric(decode, pulls, pulled_before + MAX_NUM_SEQS, "the batch's KV never landed")
+        # The first queued batch is answered; the batches behind it only hold the leaving
+        # requests back, and their clients leave too once those left (nobody waits for their
+        # ~17,000 tokens).
         queued = [
-            pool.submit(completion, decode, name, OTHER, **long_body)
-            for _ in range(queued_batches * MAX_NUM_SEQS)
+            pool.submit(completion, decode, name, OTHER, **long_body) for _ in range(MAX_NUM_SEQS)
+        ]
+        fillers = [
+            LeavingClient(decode, name, OTHER, **long_body)
+            for _ in range((queued_batches - 1) * MAX_NUM_SEQS)
         ]
         wait_for_metric(
             decode,
@@ -440,6 +447,8 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
         )
         answered = [client.hang_up() for client in leaving]
         assert not any(answered), "a leaving request got tokens before its client left"
+        for client in fillers:
+            client.hang_up()
         for future in running + queued:
             assert future.result().status_code == 200
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
