@@ -19,6 +19,7 @@ import httpx
 
 from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
+from vllm_ascend_mooncake.testing.answers import greedy_answer, prompt_ids
 from vllm_ascend_mooncake.testing.geometry_draw import (
     PROMPT_TEXT,
     draw_geometry,
@@ -27,27 +28,13 @@ from vllm_ascend_mooncake.testing.geometry_draw import (
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
-TIMEOUT_S = 600
 
 
 def answer(url: str, name: str, prompt: list[int]) -> dict:
-    """Greedy, top-5 logprobs keyed by token id, asked twice (the second is kept)."""
-    body = {
-        "model": name,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 5,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "cache_salt": "tp-drift",
-    }
+    """The greedy answer, asked twice (the second, prefix-cached, is kept)."""
     for _ in range(2):
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
-        response.raise_for_status()
-    choice = response.json()["choices"][0]
-    return {"tokens": choice["token_ids"], "top": choice["logprobs"]["top_logprobs"]}
+        answered = greedy_answer(url, name, prompt, max_tokens=MAX_TOKENS, cache_salt="tp-drift")
+    return answered
 
 
 def largest_drift(a: dict, b: dict) -> float:
@@ -78,12 +65,7 @@ def main() -> None:
         ) as server:
             name = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
             if not prompts:
-                response = httpx.post(
-                    f"{server.base_url}/tokenize",
-                    json={"model": name, "prompt": PROMPT_TEXT},
-                    timeout=TIMEOUT_S,
-                )
-                text = response.json()["tokens"]
+                text = prompt_ids(server.base_url, name, PROMPT_TEXT)
                 prompts = [text[:n] for n in draw.prompt_lengths()]
                 prompts.append(negative_control_prompt(prompts[-1]))
             answers[tp] = [answer(server.base_url, name, p) for p in prompts]

@@ -9,14 +9,18 @@ well before prefill's release timeout (a release by timeout would hide a lost no
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 import httpx
 
 from vllm_ascend_mooncake.launch.deployment import LocalDeployment
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
+from vllm_ascend_mooncake.launch.servers import VllmServer
+from vllm_ascend_mooncake.testing.answers import greedy_answer
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 MAX_TOKENS = 12
@@ -24,6 +28,47 @@ LOGPROB_TOLERANCE = 1e-4
 TIMEOUT = httpx.Timeout(600.0)
 # Blocks are freed by decode's read-done notices within moments; far below release_timeout_s.
 RELEASE_BOUND_S = 30.0
+
+
+Answers = TypeVar("Answers")
+
+
+class ColocatedReference(Generic[Answers]):
+    """The colocated instance a module compares P/D against, booting while the module's first
+    P/D deployment starts (an engine start is ~25 s, mostly one core importing, so two boot in
+    about the time of one), and its reference answers, computed once, at first use.
+
+    Made by :func:`colocated_reference` before the deployment starts; ``answers()`` waits for the
+    instance, computes, and stops it unless ``keep_serving`` (a test asking it more later)."""
+
+    def __init__(
+        self, server: VllmServer, compute: Callable[[str], Answers], keep_serving: bool
+    ) -> None:
+        self.server = server
+        self._compute = compute
+        self._keep_serving = keep_serving
+        self._answers: list[Answers] = []
+
+    def answers(self) -> Answers:
+        if not self._answers:
+            self.server.wait_ready()
+            self._answers.append(self._compute(self.server.base_url))
+            if not self._keep_serving:
+                self.server.stop()
+        return self._answers[0]
+
+
+@contextlib.contextmanager
+def colocated_reference(
+    server: VllmServer, compute: Callable[[str], Answers], keep_serving: bool = False
+) -> Iterator[ColocatedReference[Answers]]:
+    """Start ``server`` (not waiting for it) and yield its :class:`ColocatedReference`; stop it
+    on exit, whatever happened."""
+    server.start()
+    try:
+        yield ColocatedReference(server, compute, keep_serving)
+    finally:
+        server.stop()
 
 
 def complete(url: str, model_name: str, prompt: str | list[int], **extra) -> dict:
@@ -180,31 +225,10 @@ ID_MAX_TOKENS = 8
 BF16_LOGPROB_BOUND = 0.5
 
 
-def prompt_ids(url: str, name: str, text: str) -> list[int]:
-    """``text`` as the served model's token ids (BOS included)."""
-    response = httpx.post(f"{url}/tokenize", json={"model": name, "prompt": text}, timeout=TIMEOUT)
-    assert response.status_code == 200, response.text
-    return response.json()["tokens"]
-
-
 def complete_ids(url: str, name: str, prompt: list[int], **extra) -> dict:
-    """Greedy, top-5 logprobs keyed by token id (token text is ambiguous: many ids decode to
-    the same replacement character): ``{"tokens": [...], "top": [{"token_id:N": logprob}]}``."""
-    body = {
-        "model": name,
-        "prompt": prompt,
-        "max_tokens": ID_MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 5,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        **extra,
-    }
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    return {"tokens": choice["token_ids"], "top": choice["logprobs"]["top_logprobs"]}
+    """:func:`~vllm_ascend_mooncake.testing.answers.greedy_answer`, ``ID_MAX_TOKENS`` tokens
+    unless ``extra`` says otherwise."""
+    return greedy_answer(url, name, prompt, **{"max_tokens": ID_MAX_TOKENS, **extra})
 
 
 def assert_exact_ids(actual: dict, expected: dict, what: str) -> None:
@@ -269,9 +293,17 @@ def compared_positions(
     return len(tokens)
 
 
-def hand_off(prefill_url: str, name: str, prompt: str | list[int], **extra) -> dict:
+def hand_off(
+    prefill_url: str,
+    name: str,
+    prompt: str | list[int],
+    transfer_id: str | None = None,
+    **extra,
+) -> dict:
     """A one-token prefill that holds the prompt's KV for a decode, as vLLM's example proxy asks
-    for it; returns prefill's ``kv_transfer_params`` (what decode's request carries)."""
+    for it; returns prefill's ``kv_transfer_params`` (what decode's request carries).
+    ``transfer_id``: the id a decode admitted first waits on (overlapped legs)."""
+    handoff = {"do_remote_decode": True, **({"transfer_id": transfer_id} if transfer_id else {})}
     response = httpx.post(
         f"{prefill_url}/v1/completions",
         json={
@@ -279,7 +311,7 @@ def hand_off(prefill_url: str, name: str, prompt: str | list[int], **extra) -> d
             "prompt": prompt,
             "max_tokens": 1,
             "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True},
+            "kv_transfer_params": handoff,
             **extra,
         },
         timeout=TIMEOUT,

@@ -19,21 +19,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from pd_checks import (
     LOGPROB_TOLERANCE,
     TIMEOUT,
+    ColocatedReference,
     assert_clean_transfers,
+    colocated_reference,
     metric,
-    prompt_ids,
     settled_totals,
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.answers import prompt_ids
 
 #: The proxy's count of first tokens decode sampled again, by reason; a first token that is part
 #: of a character is one (proxy/token_texts.py).
@@ -157,20 +160,30 @@ def model() -> str:
     return str(build_tiny_model(TinyModelSpec(num_kv_heads=2, dtype="float32")))
 
 
-@pytest.fixture(scope="module")
-def reference(model: str) -> dict:
-    """Every compared request's colocated answer (TP 1, fresh cache per request)."""
-    with VllmServer(model) as server:
-        name = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-        answers = {
-            label: ask(server.base_url, path, {**request, "cache_salt": salt(label)})
-            for label, path, request in case_requests(name)
-        }
-        return {"name": name, "answers": answers}
+def colocated_answers(url: str) -> dict:
+    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    answers = {
+        label: ask(url, path, {**request, "cache_salt": salt(label)})
+        for label, path, request in case_requests(name)
+    }
+    return {"name": name, "answers": answers}
 
 
 @pytest.fixture(scope="module")
-def deployment(model: str, tmp_path_factory):
+def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
+    """A colocated TP 1 instance, booting beside the deployment."""
+    with colocated_reference(VllmServer(model), colocated_answers) as reference:
+        yield reference
+
+
+@pytest.fixture(scope="module")
+def reference(colocated: ColocatedReference[dict]) -> dict:
+    """Every compared request's colocated answer (fresh cache per request)."""
+    return colocated.answers()
+
+
+@pytest.fixture(scope="module")
+def deployment(model: str, colocated, tmp_path_factory):
     spec = DeploymentSpec(
         model=model, prefill_tp=2, decode_tp=1, log_dir=str(tmp_path_factory.mktemp("first"))
     )

@@ -49,15 +49,18 @@ both tokens) where colocated had one ahead by one grid step (0.125).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 from pd_checks import (
+    ColocatedReference,
     assert_clean_transfers,
+    colocated_reference,
     compare_every_position,
     compared_positions,
     hand_off,
     metric,
-    prompt_ids,
 )
 from pd_checks import complete_ids as complete
 
@@ -66,6 +69,7 @@ from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
+from vllm_ascend_mooncake.testing.answers import prompt_ids
 
 DTYPE = "bfloat16"
 
@@ -82,43 +86,49 @@ def model() -> str:
     return str(build_tiny_model(TinyMLAModelSpec(dtype=DTYPE)))
 
 
-@pytest.fixture(scope="module")
-def reference(model: str) -> dict:
-    """One colocated TP 1 instance, each prompt asked twice: the second answer (its prompt
+def colocated_answers(url: str) -> dict:
+    """The colocated instance's answers, each prompt asked twice: the second answer (its prompt
     served from the prefix cache where vLLM enables one for MLA; vLLM CPU's reference MLA
     backend disables it) is what P/D must reproduce. The two agree within the bfloat16 bound;
     where the first's top two tie, the second may take the other one (measured on a CPU with
     AMX tiles, AMX_MLA: the 33-token prompt's position 3 had tokens 53 and 490 both at -1.025
     the first time, 490 ahead by 0.125 the second), so they are compared like P/D is."""
-    with VllmServer(model, dtype=DTYPE) as server:
-        url = server.base_url
-        name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
-        def colocated(prompt: list[int], max_tokens: int) -> dict:
-            """Colocated's answer the second time (prefix-cached where vLLM caches MLA)."""
-            complete(url, name, prompt, max_tokens=max_tokens)
-            return complete(url, name, prompt, max_tokens=max_tokens)
+    def colocated(prompt: list[int], max_tokens: int) -> dict:
+        """Colocated's answer the second time (prefix-cached where vLLM caches MLA)."""
+        complete(url, name, prompt, max_tokens=max_tokens)
+        return complete(url, name, prompt, max_tokens=max_tokens)
 
-        text_ids = prompt_ids(url, name, TEXT)
-        assert len(text_ids) >= max(PROMPT_LENGTHS), len(text_ids)
-        prompts = [text_ids[:n] for n in PROMPT_LENGTHS]
-        x = prompts[PROMPT_LENGTHS.index(NEGATIVE_CONTROL_LENGTH)]
-        y = list(x)
-        y[4] = 3 + (y[4] + 1) % 400  # one early token differs; same length
-        answers = {}
-        for prompt in [*prompts, y]:
-            first, second = complete(url, name, prompt), complete(url, name, prompt)
-            compared_positions(first, second, f"colocated, {len(prompt)}-token prompt repeated")
-            answers[tuple(prompt)] = second
-        assert answers[tuple(x)]["tokens"] != answers[tuple(y)]["tokens"]
-        yield {
-            "name": name,
-            "prompts": prompts,
-            "x": x,
-            "y": y,
-            "answers": answers,
-            "colocated": colocated,
-        }
+    text_ids = prompt_ids(url, name, TEXT)
+    assert len(text_ids) >= max(PROMPT_LENGTHS), len(text_ids)
+    prompts = [text_ids[:n] for n in PROMPT_LENGTHS]
+    x = prompts[PROMPT_LENGTHS.index(NEGATIVE_CONTROL_LENGTH)]
+    y = list(x)
+    y[4] = 3 + (y[4] + 1) % 400  # one early token differs; same length
+    answers = {}
+    for prompt in [*prompts, y]:
+        first, second = complete(url, name, prompt), complete(url, name, prompt)
+        compared_positions(first, second, f"colocated, {len(prompt)}-token prompt repeated")
+        answers[tuple(prompt)] = second
+    assert answers[tuple(x)]["tokens"] != answers[tuple(y)]["tokens"]
+    return {
+        "name": name,
+        "prompts": prompts,
+        "x": x,
+        "y": y,
+        "answers": answers,
+        "colocated": colocated,
+    }
+
+
+@pytest.fixture(scope="module")
+def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
+    """One colocated TP 1 instance, booting beside the first deployment, and kept serving: the
+    tests ask it again (``compare_every_position``)."""
+    server = VllmServer(model, dtype=DTYPE)
+    with colocated_reference(server, colocated_answers, keep_serving=True) as reference:
+        yield reference
 
 
 def _prefix_caching(url: str) -> bool:
@@ -131,12 +141,13 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 @pytest.mark.engine
 @pytest.mark.parametrize("prefill_tp,decode_tp", TOPOLOGIES)
-def test_mla_pd_matches_colocated(model, reference, prefill_tp, decode_tp, tmp_path) -> None:
-    name, answers = reference["name"], reference["answers"]
+def test_mla_pd_matches_colocated(model, colocated, prefill_tp, decode_tp, tmp_path) -> None:
     spec = DeploymentSpec(
         model=model, prefill_tp=prefill_tp, decode_tp=decode_tp, dtype=DTYPE, log_dir=str(tmp_path)
     )
     with LocalDeployment(spec) as pd:
+        reference = colocated.answers()
+        name, answers = reference["name"], reference["answers"]
         decode_url = pd.decode.base_url
         pulls = divergences = 0
         for attempt in ("first", "second"):

@@ -23,9 +23,12 @@ import pytest
 from pd_checks import (
     MAX_TOKENS,
     TIMEOUT,
+    ColocatedReference,
     assert_clean_transfers,
     assert_same,
+    colocated_reference,
     complete,
+    hand_off,
     metric,
     summary,
     wait_for_metric,
@@ -79,23 +82,34 @@ def stream_text(url: str, model_name: str, prompt: str) -> str:
     return "".join(text)
 
 
+def colocated_answers(url: str) -> dict:
+    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    return {
+        "name": name,
+        "prompts": {p: complete(url, name, p) for p in PROMPTS + PREFIX_PROMPTS},
+        "chat": chat(url, name),
+    }
+
+
 @pytest.fixture(scope="module")
-def reference(model: str) -> dict:
-    """One colocated TP=1 instance: the answers P/D must reproduce."""
-    with VllmServer(model) as server:
-        name = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-        return {
-            "name": name,
-            "prompts": {p: complete(server.base_url, name, p) for p in PROMPTS + PREFIX_PROMPTS},
-            "chat": chat(server.base_url, name),
-        }
+def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
+    """One colocated TP=1 instance, booting beside the first deployment."""
+    with colocated_reference(VllmServer(model), colocated_answers) as reference:
+        yield reference
+
+
+@pytest.fixture(scope="module")
+def reference(colocated: ColocatedReference[dict]) -> dict:
+    """The answers P/D must reproduce."""
+    return colocated.answers()
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1-1", "2-1", "1-2"])
-def deployment(request, model, reference, tmp_path_factory) -> Iterator[LocalDeployment]:
+def deployment(request, model, colocated, tmp_path_factory) -> Iterator[LocalDeployment]:
     """One P/D deployment per TP pair (prefill TP, decode TP), shared by the tests of that pair
     (an engine start is ~25 s): each counts only its own pulls (``since``), and the negative
-    control salts its decode requests, so no answer of it comes from the other test's cache."""
+    control salts its decode requests, so no answer of it comes from the other test's cache.
+    The first starts while the colocated instance boots."""
     prefill_tp, decode_tp = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{prefill_tp}-{decode_tp}")
     spec = DeploymentSpec(
@@ -159,31 +173,14 @@ def test_negative_control_decode_uses_the_transferred_kv(
     colocated_x = complete(pd.prefill.base_url, name, x)
     colocated_y = complete(pd.prefill.base_url, name, y)
 
-    def prefill_y(kv_transfer_params: dict, **extra) -> dict:
-        """Prompt Y's one-token prefill, holding its KV for a decode."""
-        response = httpx.post(
-            f"{pd.prefill.base_url}/v1/completions",
-            json={
-                "model": name,
-                "prompt": y,
-                "max_tokens": 1,
-                "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, **kv_transfer_params},
-                **extra,
-            },
-            timeout=TIMEOUT,
-        )
-        assert response.status_code == 200, response.text
-        return response.json()
-
     def serial(attempt: int) -> dict:
-        prefill = prefill_y({})
-        address.update(prefill_address(prefill["kv_transfer_params"]))
+        params = hand_off(pd.prefill.base_url, name, y)  # Y's KV held for a decode
+        address.update(prefill_address(params))
         return complete(
             pd.decode.base_url,
             name,
             x,
-            kv_transfer_params=prefill["kv_transfer_params"],
+            kv_transfer_params=params,
             cache_salt=f"serial-{attempt}",  # never served from a recomputed X
         )
 
@@ -210,7 +207,7 @@ def test_negative_control_decode_uses_the_transferred_kv(
                 waiting_before + 1,
                 "decode never admitted the overlapped request",
             )
-            prefill_y({"transfer_id": transfer_id}, cache_salt=f"overlapped-{attempt}")
+            hand_off(pd.prefill.base_url, name, y, transfer_id, cache_salt=f"overlapped-{attempt}")
             return decoding.result()
 
     address: dict = {}

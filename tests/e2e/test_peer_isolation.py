@@ -29,13 +29,13 @@ from pd_checks import (
     complete_ids,
     hand_off,
     metric,
-    prompt_ids,
     settled_totals,
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.answers import prompt_ids
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
@@ -74,17 +74,14 @@ def test_a_killed_and_a_frozen_prefill_cost_a_healthy_one_nothing(tmp_path) -> N
         extra_connector_config={"side_channel_timeout_s": SIDE_CHANNEL_TIMEOUT_S},
         log_dir=str(tmp_path),
     )
-    with LocalDeployment(spec) as pd:
-        extra = {
-            role: pd.make_server("kv_producer", name=role, side_channel_port=free_port_range(1))
-            for role in ("killed", "frozen")
-        }
-        frozen = False
+    pd = LocalDeployment(spec)
+    extra = {
+        role: pd.add_server("kv_producer", name=role, side_channel_port=free_port_range(1))
+        for role in ("killed", "frozen")
+    }
+    frozen = False
+    with pd:
         try:
-            for server in extra.values():
-                server.start()
-            for server in extra.values():
-                server.wait_ready(600)
             decode, healthy = pd.decode.base_url, pd.prefill.base_url
             name = httpx.get(f"{decode}/v1/models", timeout=60).json()["data"][0]["id"]
             text = prompt_ids(decode, name, TEXT)
@@ -154,5 +151,3 @@ def test_a_killed_and_a_frozen_prefill_cost_a_healthy_one_nothing(tmp_path) -> N
         finally:
             if frozen:
                 os.killpg(extra["frozen"].pid, signal.SIGCONT)
-            for server in extra.values():
-                server.stop()

@@ -28,11 +28,11 @@ from pd_checks import (
     hand_off,
     largest_deviation,
     metric,
-    prompt_ids,
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
+from vllm_ascend_mooncake.testing.answers import prompt_ids
 from vllm_ascend_mooncake.testing.geometry_draw import (
     LONGEST_PROMPT,
     PROMPT_TEXT,
