@@ -12,6 +12,7 @@ import pytest
 
 from vllm_ascend_mooncake.deps import MissingDependencyError
 from vllm_ascend_mooncake.launch import tiny_model
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import (
     ARCHITECTURES,
     MANIFEST_FILE,
@@ -93,6 +94,28 @@ def test_derived_sizes_resolve_to_the_same_spec() -> None:
 def test_invalid_specs_are_rejected(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TinyModelSpec(**overrides)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_layers": 0}, "num_layers must be positive"),
+        ({"qk_rope_head_dim": 63}, "qk_rope_head_dim must be even"),
+        ({"vocab_size": 200}, "vocab_size must be at least"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"rope": "linear"}, "rope must be one of"),
+    ],
+)
+def test_invalid_mla_specs_are_rejected(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TinyMLAModelSpec(**overrides)  # type: ignore[arg-type]
+
+
+def test_mla_derived_sizes_resolve_to_the_same_spec() -> None:
+    explicit = TinyMLAModelSpec(hidden_size=8 * 128, intermediate_size=2 * 8 * 128)
+    assert TinyMLAModelSpec() == explicit
+    assert TinyMLAModelSpec().fingerprint() == explicit.fingerprint()
+    assert TinyMLAModelSpec().fingerprint() != TinyModelSpec().fingerprint()
 
 
 def test_config_and_weights_have_the_requested_gqa_shape(tmp_path: Path) -> None:

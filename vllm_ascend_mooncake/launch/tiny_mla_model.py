@@ -15,10 +15,9 @@ from .tiny_model import (
     QUERY_KEY_GAIN,
     RMS_NORM_EPS,
     ROPE_THETA,
+    TinySpecBase,
     WeightShape,
-    check_spec_fields,
     mlp_shapes,
-    spec_fingerprint,
 )
 
 #: RoPE variants of :class:`TinyMLAModelSpec` (see its docstring).
@@ -26,7 +25,7 @@ MLA_ROPE_KINDS = ("yarn", "default")
 
 
 @dataclasses.dataclass(frozen=True)
-class TinyMLAModelSpec:
+class TinyMLAModelSpec(TinySpecBase):
     """Shape and seed of a tiny DeepSeek-V2 model: multi-head latent attention (MLA), dense MLPs.
 
     The defaults keep DeepSeek-V2's real latent geometry, ``kv_lora_rank + qk_rope_head_dim`` =
@@ -44,7 +43,7 @@ class TinyMLAModelSpec:
     one-token forward writes, so P/D and colocated answers differ.
 
     ``hidden_size`` defaults to ``num_attention_heads * v_head_dim`` and ``intermediate_size`` to
-    twice the hidden size, resolved at construction as in :class:`~.tiny_model.TinyModelSpec`.
+    twice the hidden size (:class:`~.tiny_model.TinySpecBase`).
     """
 
     num_layers: int = 2
@@ -62,29 +61,14 @@ class TinyMLAModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.hidden_size is None:
-            object.__setattr__(self, "hidden_size", self.num_attention_heads * self.v_head_dim)
-        if self.intermediate_size is None:
-            object.__setattr__(self, "intermediate_size", 2 * self.hidden)
-        check_spec_fields(self, not_sizes=("dtype", "rope"))
+        self.resolve_sizes(default_hidden=self.num_attention_heads * self.v_head_dim)
+        self.check_fields(not_sizes=("dtype", "rope"))
         if self.rope not in MLA_ROPE_KINDS:
             raise ValueError(f"rope must be one of {MLA_ROPE_KINDS}, got {self.rope!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}"
             )
-
-    @property
-    def hidden(self) -> int:
-        """The resolved hidden size (never ``None``)."""
-        assert self.hidden_size is not None
-        return self.hidden_size
-
-    @property
-    def intermediate(self) -> int:
-        """The resolved MLP intermediate size (never ``None``)."""
-        assert self.intermediate_size is not None
-        return self.intermediate_size
 
     @property
     def latent_size(self) -> int:
@@ -94,10 +78,6 @@ class TinyMLAModelSpec:
     def to_dict(self) -> dict[str, Any]:
         """All fields with derived sizes resolved, and the architecture; the cache key's input."""
         return {"architecture": "deepseek_v2", **dataclasses.asdict(self)}
-
-    def fingerprint(self) -> str:
-        """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
-        return spec_fingerprint(self)
 
     def directory_name(self) -> str:
         """Readable, collision-free directory name for the cache."""

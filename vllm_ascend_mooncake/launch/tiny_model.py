@@ -35,7 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from vllm_ascend_mooncake import deps
 
@@ -89,52 +89,6 @@ RMS_NORM_EPS = 1e-5
 WeightShape = tuple[str, tuple[int, ...], float | None]
 
 
-class TinyCheckpointSpec(Protocol):
-    """What :func:`build_tiny_model` needs of a spec: :class:`TinyModelSpec` or
-    :class:`~.tiny_mla_model.TinyMLAModelSpec`."""
-
-    vocab_size: int
-    max_position_embeddings: int
-    dtype: str
-    seed: int
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-    def fingerprint(self) -> str: ...
-
-    def directory_name(self) -> str: ...
-
-    def config(self, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]: ...
-
-    def weight_shapes(self) -> Iterator[WeightShape]: ...
-
-
-def check_spec_fields(spec: Any, not_sizes: Sequence[str]) -> None:
-    """The checks every spec shares: each field but ``not_sizes`` a positive int (``seed`` may be
-    0), a vocabulary the tokenizer fits in, a dtype vLLM CPU serves."""
-    for field in dataclasses.fields(spec):
-        value = getattr(spec, field.name)
-        if field.name in not_sizes:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{field.name} must be an int, got {value!r}")
-        if field.name != "seed" and value <= 0:
-            raise ValueError(f"{field.name} must be positive, got {value}")
-    if spec.vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {spec.vocab_size}"
-        )
-    if spec.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {spec.dtype!r}")
-
-
-def spec_fingerprint(spec: TinyCheckpointSpec) -> str:
-    """Hex digest identifying the files ``spec`` builds (changes with FORMAT_VERSION)."""
-    payload = json.dumps({"format_version": FORMAT_VERSION, "spec": spec.to_dict()}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
 def mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Iterator[WeightShape]:
     """A layer's post-attention norm and gated MLP, which both model kinds share."""
     yield f"{prefix}.post_attention_layernorm.weight", (hidden,), None
@@ -151,14 +105,89 @@ def mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Iterator[WeightSh
     )
 
 
+class TinySpecBase:
+    """What :func:`build_tiny_model` builds from: :class:`TinyModelSpec` or
+    :class:`~.tiny_mla_model.TinyMLAModelSpec`. Each gives its files' config, weights and cache
+    key; they share ``hidden_size`` and ``intermediate_size``, which a spec may leave out (None),
+    resolved at construction so that a spec that leaves them out equals (and caches like) one
+    that spells the same values out, and the fingerprint of their files."""
+
+    hidden_size: int | None
+    intermediate_size: int | None
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields with derived sizes resolved; what the cache key is computed from."""
+        raise NotImplementedError
+
+    def directory_name(self) -> str:
+        """Readable, collision-free directory name for the cache."""
+        raise NotImplementedError
+
+    def config(self, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+        """``config.json``."""
+        raise NotImplementedError
+
+    def weight_shapes(self) -> Iterator[WeightShape]:
+        """Every weight tensor, in a fixed order."""
+        raise NotImplementedError
+
+    def check_fields(self, not_sizes: Sequence[str]) -> None:
+        """The checks every spec shares: each field but ``not_sizes`` a positive int (``seed``
+        may be 0), a vocabulary the tokenizer fits in, a dtype vLLM CPU serves."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in not_sizes:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{field.name} must be an int, got {value!r}")
+            if field.name != "seed" and value <= 0:
+                raise ValueError(f"{field.name} must be positive, got {value}")
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
+                f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    def fingerprint(self) -> str:
+        """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
+        payload = json.dumps(
+            {"format_version": FORMAT_VERSION, "spec": self.to_dict()}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def resolve_sizes(self, default_hidden: int) -> None:
+        """Fill in what was left out: ``default_hidden``, and an MLP twice the hidden size."""
+        if self.hidden_size is None:
+            object.__setattr__(self, "hidden_size", default_hidden)
+        if self.intermediate_size is None:
+            object.__setattr__(self, "intermediate_size", 2 * self.hidden)
+
+    @property
+    def hidden(self) -> int:
+        """The resolved hidden size (never ``None``)."""
+        assert self.hidden_size is not None
+        return self.hidden_size
+
+    @property
+    def intermediate(self) -> int:
+        """The resolved MLP intermediate size (never ``None``)."""
+        assert self.intermediate_size is not None
+        return self.intermediate_size
+
+
 @dataclasses.dataclass(frozen=True)
-class TinyModelSpec:
+class TinyModelSpec(TinySpecBase):
     """Shape and seed of a tiny grouped-query model: Llama, or Qwen2 (``architecture="qwen2"``:
     Llama's layers plus biases on the Q/K/V projections).
 
     ``hidden_size`` defaults to ``num_attention_heads * head_dim`` and ``intermediate_size`` to
-    twice the hidden size; both are resolved at construction, so a spec that leaves them out
-    equals (and caches like) one that spells the same values out.
+    twice the hidden size (:class:`TinySpecBase`).
     """
 
     num_layers: int = 2
@@ -178,11 +207,8 @@ class TinyModelSpec:
             raise ValueError(
                 f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}"
             )
-        if self.hidden_size is None:
-            object.__setattr__(self, "hidden_size", self.num_attention_heads * self.head_dim)
-        if self.intermediate_size is None:
-            object.__setattr__(self, "intermediate_size", 2 * self.hidden)
-        check_spec_fields(self, not_sizes=("dtype", "architecture"))
+        self.resolve_sizes(default_hidden=self.num_attention_heads * self.head_dim)
+        self.check_fields(not_sizes=("dtype", "architecture"))
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -196,25 +222,9 @@ class TinyModelSpec:
                 f"{self.hidden} != {self.num_attention_heads} x {self.head_dim}"
             )
 
-    @property
-    def hidden(self) -> int:
-        """The resolved hidden size (never ``None``)."""
-        assert self.hidden_size is not None
-        return self.hidden_size
-
-    @property
-    def intermediate(self) -> int:
-        """The resolved MLP intermediate size (never ``None``)."""
-        assert self.intermediate_size is not None
-        return self.intermediate_size
-
     def to_dict(self) -> dict[str, Any]:
         """All fields with derived sizes resolved; what the cache key is computed from."""
         return dataclasses.asdict(self)
-
-    def fingerprint(self) -> str:
-        """Hex digest identifying the files this spec builds (changes with FORMAT_VERSION)."""
-        return spec_fingerprint(self)
 
     def directory_name(self) -> str:
         """Readable, collision-free directory name for the cache."""
@@ -299,7 +309,7 @@ def default_cache_root() -> Path:
 
 
 def build_tiny_model(
-    spec: TinyCheckpointSpec | None = None, cache_root: str | os.PathLike[str] | None = None
+    spec: TinySpecBase | None = None, cache_root: str | os.PathLike[str] | None = None
 ) -> Path:
     """Return the directory of the model described by ``spec``, building it if not cached.
 
@@ -331,7 +341,7 @@ def build_tiny_model(
     return target
 
 
-def write_model_files(spec: TinyCheckpointSpec, directory: Path) -> None:
+def write_model_files(spec: TinySpecBase, directory: Path) -> None:
     """Write all files of ``spec``'s model into the existing ``directory`` (no caching)."""
     tokenizer = train_tokenizer(spec.vocab_size)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
@@ -369,7 +379,7 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_weights(spec: TinyCheckpointSpec, path: Path) -> None:
+def _write_weights(spec: TinySpecBase, path: Path) -> None:
     torch = deps.require_torch()
     safetensors_torch = deps.require_safetensors_torch()
     generator = torch.Generator(device="cpu").manual_seed(spec.seed)
