@@ -9,13 +9,13 @@ well before prefill's release timeout (a release by timeout would hide a lost no
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 import httpx
+import pytest
 
 from vllm_ascend_mooncake.launch.deployment import LocalDeployment
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
@@ -38,8 +38,9 @@ class ColocatedReference(Generic[Answers]):
     P/D deployment starts (an engine start is ~25 s, mostly one core importing, so two boot in
     about the time of one), and its reference answers, computed once, at first use.
 
-    Made by :func:`colocated_reference` before the deployment starts; ``answers()`` waits for the
-    instance, computes, and stops it unless ``keep_serving`` (a test asking it more later)."""
+    Made by :func:`colocated_reference_fixtures` before the deployment starts; ``answers()``
+    waits for the instance, computes, and stops it unless ``keep_serving`` (a test asking it
+    more later)."""
 
     def __init__(
         self, server: VllmServer, compute: Callable[[str], Answers], keep_serving: bool
@@ -58,17 +59,31 @@ class ColocatedReference(Generic[Answers]):
         return self._answers[0]
 
 
-@contextlib.contextmanager
-def colocated_reference(
-    server: VllmServer, compute: Callable[[str], Answers], keep_serving: bool = False
-) -> Iterator[ColocatedReference[Answers]]:
-    """Start ``server`` (not waiting for it) and yield its :class:`ColocatedReference`; stop it
-    on exit, whatever happened."""
-    server.start()
-    try:
-        yield ColocatedReference(server, compute, keep_serving)
-    finally:
-        server.stop()
+def colocated_reference_fixtures(
+    compute: Callable[[str], Answers], keep_serving: bool = False, **server_options
+) -> tuple[Callable, Callable]:
+    """A module's ``colocated`` and ``reference`` fixtures (module scope): the colocated
+    instance (``VllmServer(model, **server_options)`` on the module's ``model`` fixture),
+    started when first asked for, stopped when the module ends, and its answers. A module's
+    deployment fixture that asks for ``colocated`` starts while it boots::
+
+        colocated, reference = colocated_reference_fixtures(colocated_answers)
+    """
+
+    @pytest.fixture(scope="module")
+    def colocated(model: str) -> Iterator[ColocatedReference[Answers]]:
+        server = VllmServer(model, **server_options)
+        server.start()
+        try:
+            yield ColocatedReference(server, compute, keep_serving)
+        finally:
+            server.stop()
+
+    @pytest.fixture(scope="module")
+    def reference(colocated: ColocatedReference[Answers]) -> Answers:
+        return colocated.answers()
+
+    return colocated, reference
 
 
 def complete(url: str, model_name: str, prompt: str | list[int], **extra) -> dict:

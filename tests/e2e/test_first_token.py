@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from pd_checks import (
     LOGPROB_TOLERANCE,
     TIMEOUT,
-    ColocatedReference,
     assert_clean_transfers,
-    colocated_reference,
+    colocated_reference_fixtures,
     metric,
     settled_totals,
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.testing.answers import prompt_ids
 
@@ -169,17 +166,9 @@ def colocated_answers(url: str) -> dict:
     return {"name": name, "answers": answers}
 
 
-@pytest.fixture(scope="module")
-def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
-    """A colocated TP 1 instance, booting beside the deployment."""
-    with colocated_reference(VllmServer(model), colocated_answers) as reference:
-        yield reference
-
-
-@pytest.fixture(scope="module")
-def reference(colocated: ColocatedReference[dict]) -> dict:
-    """Every compared request's colocated answer (fresh cache per request)."""
-    return colocated.answers()
+# A colocated TP 1 instance, booting beside the deployment, and every compared request's answer
+# there (fresh cache per request).
+colocated, reference = colocated_reference_fixtures(colocated_answers)
 
 
 @pytest.fixture(scope="module")

@@ -49,14 +49,11 @@ both tokens) where colocated had one ahead by one grid step (0.125).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 from pd_checks import (
-    ColocatedReference,
     assert_clean_transfers,
-    colocated_reference,
+    colocated_reference_fixtures,
     compare_every_position,
     compared_positions,
     hand_off,
@@ -65,7 +62,6 @@ from pd_checks import (
 from pd_checks import complete_ids as complete
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
@@ -122,13 +118,9 @@ def colocated_answers(url: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
-    """One colocated TP 1 instance, booting beside the first deployment, and kept serving: the
-    tests ask it again (``compare_every_position``)."""
-    server = VllmServer(model, dtype=DTYPE)
-    with colocated_reference(server, colocated_answers, keep_serving=True) as reference:
-        yield reference
+# One colocated TP 1 instance, booting beside the first deployment, and kept serving: the tests
+# ask it again (``compare_every_position``).
+colocated = colocated_reference_fixtures(colocated_answers, keep_serving=True, dtype=DTYPE)[0]
 
 
 def _prefix_caching(url: str) -> bool:

@@ -23,10 +23,9 @@ import pytest
 from pd_checks import (
     MAX_TOKENS,
     TIMEOUT,
-    ColocatedReference,
     assert_clean_transfers,
     assert_same,
-    colocated_reference,
+    colocated_reference_fixtures,
     complete,
     hand_off,
     metric,
@@ -35,7 +34,6 @@ from pd_checks import (
 )
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.proxy.payloads import prefill_address
 
@@ -91,17 +89,9 @@ def colocated_answers(url: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def colocated(model: str) -> Iterator[ColocatedReference[dict]]:
-    """One colocated TP=1 instance, booting beside the first deployment."""
-    with colocated_reference(VllmServer(model), colocated_answers) as reference:
-        yield reference
-
-
-@pytest.fixture(scope="module")
-def reference(colocated: ColocatedReference[dict]) -> dict:
-    """The answers P/D must reproduce."""
-    return colocated.answers()
+# One colocated TP 1 instance, booting beside the first deployment: the answers P/D must
+# reproduce.
+colocated, reference = colocated_reference_fixtures(colocated_answers)
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1-1", "2-1", "1-2"])
