@@ -275,6 +275,34 @@ def draw(rng: random.Random) -> Outcome:
     )
 
 
+def set_session_priority(pgid: int, nice: int) -> None:
+    """Nice a server's process group and, where the kernel groups CPU time by session
+    (autogroup: every server runs in a session of its own, and sessions share the CPUs
+    equally whatever their processes' nice values), its session's group."""
+    os.setpriority(os.PRIO_PGRP, pgid, nice)
+    autogroup = Path(f"/proc/{pgid}/autogroup")
+    if autogroup.exists():
+        autogroup.write_text(str(nice))
+
+
+@contextlib.contextmanager
+def booting_first(pgid: int):
+    """Raise a starting instance above the load while it starts (as root; else nothing
+    changes): on a small machine the load otherwise starves the start-up (a TP 1 prefill took
+    66-69 s instead of ~20 s beside six clients on two cores, its session one of five sharing
+    them) and the scenario lasts as long as that start-up. Back to the default once it answers."""
+    try:
+        set_session_priority(pgid, -10)
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            set_session_priority(pgid, 0)
+
+
 def run_chaos(settings: ChaosSettings) -> ChaosReport:
     """Deploy, load, inject the faults, settle and check; see the module docstring."""
     two_hosts = settings.two_hosts and missing_requirements() is None
@@ -295,15 +323,11 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
             decode_host=network.decode if network else LOOPBACK,
         )
         b_side_channel = free_port_range(1)
-        prefill_b = pd.make_server(
-            "kv_producer", name="prefill-b", side_channel_port=b_side_channel
-        )
+        prefill_b = pd.add_server("kv_producer", name="prefill-b", side_channel_port=b_side_channel)
         servers: dict[str, VllmServer] = {"prefill-b": prefill_b}
-        stack.callback(lambda: servers["prefill-b"].stop())
+        stack.callback(lambda: servers["prefill-b"].stop())  # B's restarted incarnation
         stack.callback(pd.stop)
-        prefill_b.start()
         pd.start()
-        prefill_b.wait_ready()
         proxy_url = pd.add_proxy("--prefill", prefill_b.base_url)
         decode = pd.decode.base_url
         name = httpx.get(f"{decode}/v1/models", timeout=60).json()["data"][0]["id"]
@@ -374,7 +398,8 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
                 )
                 servers["prefill-b"] = restarted
                 restarted.start()
-                restarted.wait_ready()
+                with booting_first(restarted.pid):
+                    restarted.wait_ready()
                 faults["prefill B back"] = since()
                 wait_ended(len(outcomes) + settings.requests // 5)
                 os.killpg(pd.prefill.pid, signal.SIGSTOP)
