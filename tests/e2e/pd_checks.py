@@ -35,8 +35,9 @@ Answers = TypeVar("Answers")
 
 class ColocatedReference(Generic[Answers]):
     """The colocated instance a module compares P/D against, booting while the module's first
-    P/D deployment starts (an engine start is ~25 s, mostly one core importing, so two boot in
-    about the time of one), and its reference answers, computed once, at first use.
+    P/D deployment starts, and its reference answers, computed once, at first use. A start-up
+    is mostly one core importing (a TP 1 instance: 19 s alone, two together 21 s, three 32 s on
+    2 cores), so booting beside the deployment saves most of a start.
 
     Made by :func:`colocated_reference_fixtures` before the deployment starts; ``answers()``
     waits for the instance, computes, and stops it unless ``keep_serving`` (a test asking it

@@ -196,8 +196,9 @@ class LocalDeployment:
     def add_server(self, role: str, *, name: str, **overrides: Any) -> VllmServer:
         """An instance beside the deployment's own (e.g. a prefill of another TP or block size,
         with a ``side_channel_port`` of its own), made like :meth:`make_server`: started with
-        them, their start-ups overlapping (an engine start takes ~25 s, mostly one core
-        importing), or at once if the deployment runs already; stopped with them."""
+        them, their start-ups overlapping (a start-up is mostly one core importing: a TP 1
+        instance took 19 s alone, three together 32 s on 2 cores), or at once if the deployment
+        runs already; stopped with them."""
         server = self.make_server(role, name=name, **overrides)
         self._extra_servers.append(server)
         if self._proxy is not None:
