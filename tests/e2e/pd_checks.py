@@ -37,7 +37,7 @@ class ColocatedReference(Generic[Answers]):
     """The colocated instance a module compares P/D against, booting while the module's first
     P/D deployment starts, and its reference answers, computed once, at first use. A start-up
     is mostly one core importing (a TP 1 instance: 19 s alone, two together 21 s, three 32 s on
-    2 cores), so booting beside the deployment saves most of a start.
+    2 cores), so booting beside the deployment saves about 8 of its 19 s.
 
     Made by :func:`colocated_reference_fixtures` before the deployment starts; ``answers()``
     waits for the instance, computes, and stops it unless ``keep_serving`` (a test asking it
