@@ -36,8 +36,8 @@ Answers = TypeVar("Answers")
 class ColocatedReference(Generic[Answers]):
     """The colocated instance a module compares P/D against, booting while the module's first
     P/D deployment starts, and its reference answers, computed once, at first use. A start-up
-    is mostly one core importing (a TP 1 instance: 19 s alone, two together 21 s, three 32 s on
-    2 cores), so booting beside the deployment saves about 8 of its 19 s.
+    is mostly one core importing (a TP 1 instance: 12.5 s alone, two together 13.5 s, three
+    20.6 s on 2 cores), so booting beside the deployment saves most of its start-up.
 
     Made by :func:`colocated_reference_fixtures` before the deployment starts; ``answers()``
     waits for the instance, computes, and stops it unless ``keep_serving`` (a test asking it

@@ -94,16 +94,24 @@ def colocated_answers(url: str) -> dict:
 colocated, reference = colocated_reference_fixtures(colocated_answers)
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["1-1", "2-1", "1-2"])
+@pytest.fixture(
+    scope="module", params=[(1, 1, True), (2, 1, False), (1, 2, False)], ids=["1-1", "2-1", "1-2"]
+)
 def deployment(request, model, colocated, tmp_path_factory) -> Iterator[LocalDeployment]:
     """One P/D deployment per TP pair (prefill TP, decode TP), shared by the tests of that pair
     (an engine start is ~25 s): each counts only its own pulls (``since``), and the negative
     control salts its decode requests, so no answer of it comes from the other test's cache.
-    The first starts while the colocated instance boots."""
-    prefill_tp, decode_tp = request.param
+    The first starts while the colocated instance boots. The 1 -> 1 pair runs its models in
+    worker processes, as vLLM's CPU platform does by default; the suite's other TP 1 instances
+    run theirs in the engine-core process, as vLLM does on GPU and NPU."""
+    prefill_tp, decode_tp, worker_process = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{prefill_tp}-{decode_tp}")
     spec = DeploymentSpec(
-        model=model, prefill_tp=prefill_tp, decode_tp=decode_tp, log_dir=str(log_dir)
+        model=model,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        worker_process=worker_process,
+        log_dir=str(log_dir),
     )
     with LocalDeployment(spec) as pd:
         yield pd

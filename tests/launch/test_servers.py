@@ -18,6 +18,7 @@ import pytest
 
 from vllm_ascend_mooncake.launch import vllm_cli
 from vllm_ascend_mooncake.launch.servers import (
+    UNIPROC_ENV,
     ServerError,
     VllmServer,
     process_group_members,
@@ -137,6 +138,20 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     assert process_group_members(server.pid) == []
     assert time.monotonic() - started < 15
     server.stop()  # idempotent
+
+
+def test_a_tp1_engine_runs_its_model_in_its_engine_core_unless_asked_for_a_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU platform starts a worker process for one rank unless the switch is "0"; asking
+    for a worker process must win over a switch the shell set, and TP > 1 is left alone."""
+    monkeypatch.setenv(UNIPROC_ENV, "0")
+    log = tmp_path / "unused.log"
+    assert VllmServer("m", port=1, log_path=log).env[UNIPROC_ENV] == "0"
+    assert UNIPROC_ENV not in VllmServer("m", port=1, worker_process=True, log_path=log).env
+    monkeypatch.delenv(UNIPROC_ENV)
+    assert VllmServer("m", port=1, log_path=log).env[UNIPROC_ENV] == "0"
+    assert UNIPROC_ENV not in VllmServer("m", port=1, tensor_parallel_size=2, log_path=log).env
 
 
 @pytest.mark.engine

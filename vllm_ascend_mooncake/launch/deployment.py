@@ -86,6 +86,10 @@ class DeploymentSpec:
     #: Decode pairs with the deployment's prefill at start-up (``prefill_side_channels``), so an
     #: incompatible pair stops decode's start-up instead of failing its first request.
     pair_at_start: bool = True
+    #: A TP 1 instance runs its model in a worker process of its own (vLLM's CPU default) rather
+    #: than in its engine-core process (vLLM's GPU and NPU default, and quicker to start here);
+    #: see :class:`VllmServer`.
+    worker_process: bool = False
 
 
 def connector_config(
@@ -190,6 +194,7 @@ class LocalDeployment:
                 *(spec.prefill_args if producer else spec.decode_args),
             ],
             extra_env={"VLLM_HOST_IP": host.address, **self._env},
+            worker_process=spec.worker_process,
             log_path=self.log_dir / f"{name or ('prefill' if producer else 'decode')}.log",
         )
 
@@ -197,8 +202,8 @@ class LocalDeployment:
         """An instance beside the deployment's own (e.g. a prefill of another TP or block size,
         with a ``side_channel_port`` of its own), made like :meth:`make_server`: started with
         them, their start-ups overlapping (a start-up is mostly one core importing: a TP 1
-        instance took 19 s alone, three together 32 s on 2 cores), or at once if the deployment
-        runs already; stopped with them."""
+        instance took 12.5 s alone, two together 13.5 s, three 20.6 s on 2 cores), or at once if
+        the deployment runs already; stopped with them."""
         server = self.make_server(role, name=name, **overrides)
         self._extra_servers.append(server)
         if self._proxy is not None:
