@@ -1,14 +1,22 @@
 """Read-done notices over a real ZMQ side channel: retried while the prefill does not answer,
-bounded, not repeated once it answers with an error, and delivered in order per peer."""
+bounded, not repeated once it answers with an error, delivered in order per peer, and stopped
+by shutdown without closing a socket under the thread that polls it."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+import zmq
 
 from vllm_ascend_mooncake.datapath.notifier import ReadDoneNotifier
-from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient, SideChannelServer
+from vllm_ascend_mooncake.datapath.side_channel import (
+    PeerSilent,
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+)
 from vllm_ascend_mooncake.datapath.wire import Ack, ErrorReply, ReadDone
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.testing.waiting import wait_until
@@ -171,3 +179,50 @@ def test_lane_threads_leave_no_socket_open_behind_them(client) -> None:
     finally:
         notifier.shutdown()
         prefill.close()
+
+
+def test_closing_the_client_never_closes_a_socket_another_thread_polls() -> None:
+    """A ZMQ socket is not thread-safe: a CI run's pytest process aborted in a read-done lane's
+    poll after a decode side's shutdown had closed every thread's socket. A running thread's
+    socket is left to it; the client takes no new exchange once closed."""
+    client = SideChannelClient(timeout_s=1.0)
+    silent = Prefill()  # never started: nothing answers
+    outcome: list[Exception] = []
+
+    def exchange() -> None:
+        try:
+            client.request("127.0.0.1", silent.port, done("r1"))
+        except SideChannelError as exc:
+            outcome.append(exc)
+        finally:
+            client.close_thread_sockets()
+
+    thread = threading.Thread(target=exchange)
+    thread.start()
+    (sock,) = wait_until(lambda: list(client._all_sockets), "the thread opens its socket")
+    client.close()
+    assert not sock.closed, "close() closed a socket that its thread was polling"
+    with pytest.raises(SideChannelError, match="client is closed"):
+        client.request("127.0.0.1", silent.port, done("r2"))
+    thread.join(timeout=10)
+    assert [type(exc) for exc in outcome] == [PeerSilent], "the exchange ends by its own timeout"
+    assert sock.closed and not client._all_sockets
+
+
+def test_shutdown_ends_a_silent_peers_retries(client) -> None:
+    """A decode shutting down must not go on asking a silent prefill for seconds (and using the
+    client it is closing): the lane ends when the exchange under way does."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # receives, never answers
+    port = free_port_range(1)
+    silent.bind(f"tcp://127.0.0.1:{port}")
+    notifier = ReadDoneNotifier(client, attempts=4, backoff_s=0.5)  # tries at ~0, 0.8, 2.1 s...
+    try:
+        notifier.send("127.0.0.1", port, 0, done("r1"))
+        assert silent.poll(5000), "the first attempt arrives"
+        silent.recv_multipart()
+        notifier.shutdown()
+        wait_until(lambda: not notifier._lanes, "the lane ends after shutdown")
+        assert not silent.poll(1500), "the notifier tried again after shutdown"
+    finally:
+        notifier.shutdown()
+        silent.close(linger=0)

@@ -16,7 +16,6 @@ gets one attempt per notice until it answers again: its backlog drains at one ti
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 
 from ..log import get_logger
@@ -40,13 +39,13 @@ class ReadDoneNotifier:
         self._lock = threading.Lock()
         self._lanes: dict[_Peer, deque[tuple[int, ReadDone]]] = {}  # peers with notices queued
         self._silent: set[_Peer] = set()  # left a notice's every attempt unanswered
-        self._stopped = False
+        self._stopped = threading.Event()  # set by shutdown: no new notice, attempt or back-off
 
     def send(self, host: str, port: int, prefill_rank: int, message: ReadDone) -> None:
         """Queue ``message`` for the side channel at ``host:port``; returns at once."""
         peer = (host, port)
         with self._lock:
-            if self._stopped:
+            if self._stopped.is_set():
                 return
             lane = self._lanes.get(peer)
             if lane is not None:  # its thread is draining it
@@ -67,7 +66,7 @@ class ReadDoneNotifier:
         while True:
             with self._lock:
                 lane = self._lanes[peer]
-                if not lane or self._stopped:
+                if not lane or self._stopped.is_set():
                     del self._lanes[peer]
                     return
                 prefill_rank, message = lane.popleft()
@@ -93,8 +92,8 @@ class ReadDoneNotifier:
                 break
             except Exception as exc:
                 error = exc
-                if attempt < attempts:
-                    time.sleep(self._backoff_s * attempt)
+                if attempt < attempts and self._stopped.wait(self._backoff_s * attempt):
+                    return False  # shut down during the back-off
                 continue
             if attempt > 1:
                 logger.info(
@@ -118,6 +117,7 @@ class ReadDoneNotifier:
         return answered
 
     def shutdown(self) -> None:
-        """Stop; notices not yet delivered are dropped (the prefill frees at its deadline)."""
+        """Stop; notices not yet delivered are dropped (the prefill frees at its deadline). A
+        lane waiting for a reply ends when the exchange does, at most one timeout later."""
         with self._lock:
-            self._stopped = True
+            self._stopped.set()

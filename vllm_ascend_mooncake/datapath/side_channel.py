@@ -280,7 +280,9 @@ class SideChannelClient:
     """Request/response exchanges with peers' side channels.
 
     Each thread has its own socket per peer, so a claim the peer holds open (long poll) never
-    delays another thread's exchange with that peer.
+    delays another thread's exchange with that peer. A ZMQ socket is not thread-safe: only its
+    thread closes it while that thread lives (closing it under a thread that polls it aborted a
+    process), see :meth:`close`.
     """
 
     def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
@@ -289,8 +291,10 @@ class SideChannelClient:
         self.timeout_s = timeout_s
         self._timeout_ms = int(timeout_s * 1000)
         self._local = threading.local()
-        self._all_sockets: set[zmq.Socket] = set()
+        #: every open socket, with the thread that uses it
+        self._all_sockets: dict[zmq.Socket, threading.Thread] = {}
         self._guard = threading.Lock()
+        self._closed = False
 
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
         """This thread's socket to ``peer``; the least recently used one is closed past
@@ -306,22 +310,24 @@ class SideChannelClient:
         while len(sockets) >= MAX_PEER_SOCKETS_PER_THREAD:
             self._drop(*sockets.popitem(last=False))
         host, port = peer
-        sock = self._context.socket(zmq.DEALER)
+        with self._guard:
+            if self._closed:
+                raise SideChannelError(f"no exchange with {host}:{port}: the client is closed")
+            sock = self._context.socket(zmq.DEALER)
+            self._all_sockets[sock] = threading.current_thread()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(zmq_address(host, port))
         sockets[peer] = sock
-        with self._guard:
-            self._all_sockets.add(sock)
         return sock
 
     def _drop(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
         """Forget a socket after a failed exchange, so a late reply cannot answer the next one."""
         self._local.sockets.pop(peer, None)
         with self._guard:
-            self._all_sockets.discard(sock)
+            self._all_sockets.pop(sock, None)
         sock.close()
 
     def request(self, host: str, port: int, message: Message) -> Message:
@@ -383,11 +389,26 @@ class SideChannelClient:
             self._drop(*sockets.popitem())
 
     def close(self) -> None:
-        """Close every thread's sockets (call once the threads that used them are done)."""
+        """Refuse new exchanges and close the sockets of the calling thread and of threads that
+        ended. A thread still running keeps its socket open until it calls
+        :meth:`close_thread_sockets` (the notifier's lanes do as they end): closing a socket that
+        another thread may be polling is not allowed in ZMQ."""
         with self._guard:
-            for sock in self._all_sockets:
+            self._closed = True
+            current = threading.current_thread()
+            done = [
+                sock
+                for sock, thread in self._all_sockets.items()
+                if thread is current or not thread.is_alive()
+            ]
+            for sock in done:
+                del self._all_sockets[sock]
                 sock.close()
-            self._all_sockets.clear()
+        if self._all_sockets:
+            logger.debug(
+                "side-channel client closed; %d socket(s) left to their running threads",
+                len(self._all_sockets),
+            )
 
 
 def refusal_checked(reply: Message, request: Message, host: str, port: int) -> Message:
