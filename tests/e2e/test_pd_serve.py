@@ -103,7 +103,7 @@ def deployment(request, model, colocated, tmp_path_factory) -> Iterator[LocalDep
     control salts its decode requests, so no answer of it comes from the other test's cache.
     The first starts while the colocated instance boots. The 1 -> 1 pair runs its models in
     worker processes, as vLLM's CPU platform does by default; the suite's other TP 1 instances
-    run theirs in the engine-core process, as vLLM does on GPU and NPU."""
+    run theirs in the engine-core process, as vLLM does on GPU."""
     prefill_tp, decode_tp, worker_process = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{prefill_tp}-{decode_tp}")
     spec = DeploymentSpec(

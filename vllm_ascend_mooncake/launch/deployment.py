@@ -87,7 +87,7 @@ class DeploymentSpec:
     #: incompatible pair stops decode's start-up instead of failing its first request.
     pair_at_start: bool = True
     #: A TP 1 instance runs its model in a worker process of its own (vLLM's CPU default) rather
-    #: than in its engine-core process (vLLM's GPU and NPU default, and quicker to start here);
+    #: than in its engine-core process (vLLM's default on GPU, and quicker to start here);
     #: see :class:`VllmServer`.
     worker_process: bool = False
 

@@ -199,7 +199,7 @@ class VllmServer:
         new temporary file, kept after the server stops so a failure can still be read.
         ``worker_process``: whether a TP 1 engine runs its model in a worker process of its own,
         as vLLM's CPU platform does by default, or in the engine-core process (vLLM's
-        ``UniProcExecutor``, its default for one rank on GPU and NPU, which the CPU platform
+        ``UniProcExecutor``, its default for one rank on GPU, which the CPU platform
         allows only under ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The default, in the engine-core
         process, saves a spawned process's import: a TP 1 instance started in 19 s and 19
         CPU-seconds with a worker process, 12.5 s and 13 CPU-seconds without, on 2 cores.
