@@ -36,6 +36,13 @@ VLLM_SERIES_BY_EXTRA: Mapping[str, tuple[tuple[int, int], tuple[int, int]]] = {
 
 #: The Mooncake versions the extras allow (``mooncake.engine``'s API is stable within 0.3.x).
 MOONCAKE_VERSION_RANGE = ">=0.3.13,<0.4"
+#: Ascend's: from the 0.3.11.post1 that the vllm-ascend 0.23.0.post1 and 0.30.0rc2 images ship
+#: (their Dockerfiles' MOONCAKE_TAG), so installing this package keeps the Mooncake vllm-ascend's
+#: own connectors were tested with. Every call of ``datapath/mooncake.py`` is bound there with
+#: today's signatures (``transfer_engine_py.cpp`` at v0.3.11.post1); the one difference, an
+#: asynchronous read's failure returned as 2**64 - 1 instead of 0 (fixed in 0.3.12 by Mooncake
+#: #2433), is handled there.
+MOONCAKE_NPU_VERSION_RANGE = ">=0.3.11.post1,<0.4"
 
 MOONCAKE_NON_CUDA = "mooncake-transfer-engine-non-cuda"
 MOONCAKE_NPU = "mooncake-transfer-engine-npu"
@@ -232,7 +239,12 @@ def _installed_torch_build() -> TorchBuild | None:
 
 def _swap_command(installed: str, wanted: str) -> str:
     """The pip command that replaces one Mooncake distribution by another."""
-    return f"pip uninstall -y {installed} && pip install '{wanted}{MOONCAKE_VERSION_RANGE}'"
+    return f"pip uninstall -y {installed} && pip install '{wanted}{mooncake_version_range(wanted)}'"
+
+
+def mooncake_version_range(distribution: str) -> str:
+    """The versions of a Mooncake distribution the extras allow."""
+    return MOONCAKE_NPU_VERSION_RANGE if distribution == MOONCAKE_NPU else MOONCAKE_VERSION_RANGE
 
 
 def _cuda_runtime_hint(

@@ -33,9 +33,9 @@ def _transport(protocol: str, device_name: str, device: str):
 
 
 def _register(transport, tensor) -> None:
-    from vllm_ascend_mooncake.datapath.registration import storage_ranges
+    from vllm_ascend_mooncake.datapath.registration import kv_memory_ranges
 
-    transport.register(storage_ranges([tensor]))
+    transport.register(kv_memory_ranges([tensor]))
 
 
 def _serve(conn, nbytes: int, device: str, protocol: str, device_name: str) -> None:

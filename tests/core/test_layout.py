@@ -101,8 +101,11 @@ def test_config_mismatches_are_refused() -> None:
     args = (view.shape, view.stride(), view.element_size())
     with pytest.raises(LayoutError, match="has 2 heads but this rank should hold 4"):
         describe_vllm_layer_view(*args, num_kv_heads=4, block_size=BLOCK)
-    with pytest.raises(LayoutError, match="engine block size is 16"):
+    with pytest.raises(LayoutError, match="does not divide the engine block size 16"):
         describe_vllm_layer_view(*args, num_kv_heads=HEADS, block_size=16)
+    # a kernel block that divides the engine's: each engine block is that many of the view's
+    layout = describe_vllm_layer_view(*args, num_kv_heads=HEADS, block_size=3 * BLOCK)
+    assert layout.kernel_blocks == 3 and layout.tokens_per_block == BLOCK
     with pytest.raises(LayoutError, match="4-D"):
         describe_vllm_layer_view(
             view.shape[1:], view.stride()[1:], 2, num_kv_heads=2, block_size=32

@@ -35,7 +35,7 @@ from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
 from vllm_ascend_mooncake.datapath.registration import (
-    storage_ranges,
+    kv_memory_ranges,
 )
 from vllm_ascend_mooncake.datapath.transport import TransferError
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
@@ -535,8 +535,8 @@ def test_the_fake_transport_refuses_reads_outside_registered_memory() -> None:
     prefill, decode = InProcessTransport(), InProcessTransport()
     source = torch.arange(64, dtype=torch.uint8)
     target = torch.zeros(64, dtype=torch.uint8)
-    prefill.register(storage_ranges([source]))
-    decode.register(storage_ranges([target]))
+    prefill.register(kv_memory_ranges([source]))
+    decode.register(kv_memory_ranges([target]))
     src, dst = source.data_ptr(), target.data_ptr()
     try:
         for local, remote, length in ((dst, src + 32, 33), (dst + 32, src, 33)):

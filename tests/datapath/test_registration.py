@@ -14,9 +14,9 @@ import torch
 
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError
 from vllm_ascend_mooncake.datapath.registration import (
+    kv_memory_ranges,
     regions_from_split_caches,
     regions_from_vllm_views,
-    storage_ranges,
 )
 
 BLOCKS, BLOCK_SIZE = 6, 16
@@ -61,7 +61,7 @@ def test_each_mla_tensor_is_its_own_latent_region_named_nope_and_rope() -> None:
         for block in (0, 3, BLOCKS - 1):  # every block starts where torch says it does
             assert region.block_addr(block) == tensor[block].data_ptr()
     # every tensor is its own allocation: each is registered
-    assert len(storage_ranges(tensors)) == len(tensors)
+    assert len(kv_memory_ranges(tensors)) == len(tensors)
 
 
 def test_the_three_dimensional_form_describes_the_same_bytes() -> None:
@@ -96,7 +96,7 @@ def test_strides_not_shape_give_the_block_stride() -> None:
         (torch.zeros(BLOCKS, BLOCK_SIZE, 2, ROPE), r"shape \(6, 16, 2, 64\) has 2 there"),
         (torch.zeros(BLOCKS, BLOCK_SIZE * ROPE), r"got shape \(6, 1024\)"),
         (torch.zeros(BLOCKS, BLOCK_SIZE, 1, 1, ROPE), r"got shape \(6, 16, 1, 1, 64\)"),
-        (torch.zeros(BLOCKS, 32, 1, ROPE), "has 32 tokens per block but the engine block size"),
+        (torch.zeros(BLOCKS, 32, 1, ROPE), "32 tokens per block, which does not divide the engine"),
         (  # tokens not contiguous: [blocks, width, 1, tokens] seen through a transpose
             torch.zeros(BLOCKS, ROPE, 1, BLOCK_SIZE).transpose(1, 3),
             "not contiguous within a block",
@@ -110,10 +110,13 @@ def test_latent_tensors_the_planner_cannot_describe_are_refused(tensor, message)
     assert str(refused.value).startswith("layer.0.rope: ")
 
 
-def test_an_mla_layer_with_three_tensors_is_refused() -> None:
-    three = tuple(torch.zeros(BLOCKS, BLOCK_SIZE, 1, w) for w in (NOPE, ROPE, 8))
-    with pytest.raises(LayoutError, match=r"one latent tensor or a \(nope, rope\) pair, got 3"):
-        mla_regions({"layer.0": three})
+def test_an_mla_layer_with_more_parts_is_one_latent_region_per_part() -> None:
+    """DeepSeek V3.2 on vllm-ascend 0.23: (nope, rope, indexer keys[, their scales])."""
+    parts = tuple(torch.zeros(BLOCKS, BLOCK_SIZE, 1, w) for w in (NOPE, ROPE, 128, 1))
+    regions = mla_regions({"layer.0": parts})
+    assert [r.name for r in regions] == [f"layer.0.{i}" for i in range(4)]
+    assert [r.layout.head_token_bytes for r in regions] == [4 * w for w in (NOPE, ROPE, 128, 1)]
+    assert all(r.layout.block_order is BlockOrder.LATENT for r in regions)
 
 
 def test_without_mla_a_pair_is_k_and_v_as_before() -> None:

@@ -41,10 +41,12 @@ from vllm_ascend_mooncake.deps import (
     MOONCAKE_DISTRIBUTIONS,
     MOONCAKE_NON_CUDA,
     MOONCAKE_NPU,
+    MOONCAKE_NPU_VERSION_RANGE,
     MOONCAKE_VERSION_RANGE,
     VLLM_ASCEND,
     VLLM_SERIES_BY_EXTRA,
     is_supported_series,
+    mooncake_version_range,
     release_series,
     series_text,
 )
@@ -77,7 +79,9 @@ ASCEND_PLATFORMS = ("x86_64-manylinux_2_35", "aarch64-manylinux_2_35")
 #: CANN's ``...-ubuntu22.04-py3.12`` image), and what vllm-ascend's requirements.txt pins that
 #: the [ascend] extra also names: its packages have to fit these, not replace them.
 ASCEND_IMAGE_PYTHON = "3.12"
-ASCEND_IMAGE_CONSTRAINTS = ("fastapi<0.124.0",)
+#: The images' Mooncake (their Dockerfiles' MOONCAKE_TAG), pinned: [ascend] must install beside it.
+ASCEND_IMAGE_MOONCAKE = "0.3.11.post1"
+ASCEND_IMAGE_CONSTRAINTS = ("fastapi<0.124.0", f"{MOONCAKE_NPU}=={ASCEND_IMAGE_MOONCAKE}")
 #: Series an extra admits that PyPI alone cannot install: (reason, what uv's error must say). The
 #: test expects that failure (xfail) and fails once the series resolves, so that the entry goes.
 UNRESOLVABLE_ON_PYPI: dict[tuple[str, tuple[int, int]], tuple[str, str]] = {
@@ -175,13 +179,23 @@ def test_ascend_extra_leaves_the_image_stack_alone() -> None:
 
 
 def test_every_mooncake_requirement_allows_exactly_the_tested_range() -> None:
-    """One range everywhere, the one deps.py's error messages tell users to install."""
+    """One range per distribution, the one deps.py's error messages tell users to install."""
     for extra, requirements in load_extras().items():
         for requirement in requirements:
-            if canonicalize_name(requirement.name) in MOONCAKE_DISTRIBUTIONS:
-                assert requirement.specifier == SpecifierSet(MOONCAKE_VERSION_RANGE), (
-                    f"[{extra}] {requirement}: use {MOONCAKE_VERSION_RANGE}"
+            name = canonicalize_name(requirement.name)
+            if name in MOONCAKE_DISTRIBUTIONS:
+                wanted = mooncake_version_range(name)
+                assert requirement.specifier == SpecifierSet(wanted), (
+                    f"[{extra}] {requirement}: use {wanted}"
                 )
+
+
+def test_the_ascend_extra_keeps_the_mooncake_of_vllm_ascends_images() -> None:
+    """vllm-ascend 0.23.0.post1's and 0.30.0rc2's Dockerfiles install Mooncake 0.3.11.post1
+    (MOONCAKE_TAG); ``pip install '...[ascend]'`` inside them must not replace it."""
+    requirement = requirement_named(load_extras()["ascend"], MOONCAKE_NPU)
+    assert requirement.specifier.contains(ASCEND_IMAGE_MOONCAKE)
+    assert MOONCAKE_VERSION_RANGE != MOONCAKE_NPU_VERSION_RANGE
 
 
 @pytest.mark.parametrize("extra", DEVICE_EXTRAS)
@@ -457,6 +471,7 @@ def test_ascend_extra_adds_only_mooncake_npu_and_the_proxy(
         ASCEND_IMAGE_CONSTRAINTS,
     )
     assert only(pins, MOONCAKE_DISTRIBUTIONS) == MOONCAKE_NPU
+    assert pins[MOONCAKE_NPU] == ASCEND_IMAGE_MOONCAKE, "[ascend] replaces the image's Mooncake"
     clashing = sorted(set(pins) & ASCEND_IMAGE_PACKAGES)
     assert not clashing, f"[ascend] would replace the vllm-ascend image's {clashing}"
     assert_no_cuda_packages("ascend", pins)

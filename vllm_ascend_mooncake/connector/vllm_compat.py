@@ -76,6 +76,15 @@ def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
     return tuple(range(len(kv_cache_config.kv_cache_groups)))
 
 
+def head_major_layout_requested() -> bool:
+    """Whether ``VLLM_KV_CACHE_LAYOUT`` asks for head-major caches: the only setting
+    vllm-ascend's attention backend shapes its K and V tensors by
+    (``AscendAttentionBackend.get_kv_cache_shape``, 0.30.0rc2: ``HND`` or ``LBHNC``)."""
+    import os
+
+    return os.environ.get("VLLM_KV_CACHE_LAYOUT", "") in ("HND", "LBHNC")
+
+
 def resolved_kv_cache_layout(vllm_config: Any) -> str | None:
     """The layout vLLM resolved for the KV cache (0.30+), or None where it does not say (0.23
     keeps the layout in a module global and its CPU backend is always head-major)."""

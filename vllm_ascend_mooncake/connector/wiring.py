@@ -21,7 +21,7 @@ from ..core.topology import TransferTopology
 from ..datapath.mooncake import MooncakeTransport
 from ..datapath.peers import PeerDirectory
 from ..datapath.receiver import Receiver, ReceiverOptions
-from ..datapath.registration import storage_ranges
+from ..datapath.registration import kv_memory_ranges
 from ..datapath.sender import PrefillSender, SendTracker
 from ..datapath.side_channel import SideChannelClient
 from ..datapath.staging_pool import StagingPool
@@ -174,7 +174,7 @@ def build_prefill_side(
     settings: PrefillSettings,
 ) -> PrefillSide:
     """Register the KV cache and serve it: holds, read leases and releases on the side channel."""
-    transport.register(storage_ranges(memory.tensors))
+    transport.register(kv_memory_ranges(memory.tensors))
     metadata = _metadata(who, transport, memory.regions)
     tracker = SendTracker(topology, who.tp_rank, settings.release_timeout_s)
     sender = PrefillSender(
@@ -208,7 +208,7 @@ def build_decode_side(
         if settings.staging_bytes
         else []
     )
-    transport.register(storage_ranges(memory.tensors) + storage_ranges(staging))
+    transport.register(kv_memory_ranges(memory.tensors) + kv_memory_ranges(staging))
     metadata = _metadata(who, transport, memory.regions)
     client = SideChannelClient(settings.side_channel_timeout_s, secret=settings.secret)
     peers = PeerDirectory(client, metadata, topology)

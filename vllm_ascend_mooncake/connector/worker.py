@@ -13,7 +13,14 @@ import time
 import uuid
 from typing import Any
 
-from ..core.layout import ChunkPacking, head_chunk_token_bytes, packing_text
+from ..core.layout import (
+    BlockOrder,
+    ChunkPacking,
+    LayoutError,
+    Region,
+    head_chunk_token_bytes,
+    packing_text,
+)
 from ..core.packing import chunk_packing
 from ..datapath.orders import StepOrders
 from ..datapath.pairing import pair_with_prefills, parse_endpoints
@@ -109,6 +116,39 @@ def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacki
     return ()
 
 
+def refuse_unsupported_parallelism(parallel_config: Any) -> None:
+    """Refuse decode or prefill context parallelism (DCP/PCP): their ranks hold a share of each
+    block's tokens, which the transfer topology does not plan (it would be mis-planned, not
+    merely slow)."""
+    for attribute, name in (
+        ("decode_context_parallel_size", "decode context parallelism (DCP)"),
+        ("prefill_context_parallel_size", "prefill context parallelism (PCP)"),
+    ):
+        size = getattr(parallel_config, attribute, 1) or 1
+        if size > 1:
+            raise LayoutError(
+                f"{name} of size {size} is not supported by this KV connector: its ranks hold "
+                f"interleaved shares of each block's tokens, which the transfer plan does not "
+                f"describe; serve P/D with --{attribute.replace('_', '-')} 1"
+            )
+
+
+def refuse_hybrid_layers(kv_caches: dict[str, Any], layers: dict[str, Any]) -> None:
+    """Refuse a model with Mamba or linear-attention (state) layers, naming one: their caches are
+    states, not blocks of tokens, and vLLM turns its hybrid KV cache manager off for this
+    connector, so they cannot be held and pulled as a prompt's blocks."""
+    for name, cache in kv_caches.items():
+        layer = layers.get(name)
+        kinds = {cls.__name__ for cls in type(layer).__mro__} if layer is not None else set()
+        if "MambaBase" in kinds or (isinstance(cache, list) and "AttentionLayerBase" not in kinds):
+            what = type(layer).__name__ if layer is not None else "a list of state tensors"
+            raise LayoutError(
+                f"layer {name} ({what}) is a Mamba / linear-attention state layer: hybrid models "
+                f"(Qwen3-Next, Jamba, Bamba, Gated DeltaNet) are not served by this KV connector "
+                f"yet; serve the model without P/D, or with a connector that implements SupportsHMA"
+            )
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -141,6 +181,8 @@ class ConnectorWorker:
 
         config, vllm_config = self.config, self._vllm_config
         ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
+        refuse_unsupported_parallelism(vllm_config.parallel_config)
+        refuse_hybrid_layers(ordered, vllm_config.compilation_config.static_forward_context)
         identity = model_identity(
             vllm_config,
             ordered,
@@ -149,7 +191,7 @@ class ConnectorWorker:
             is_mla=config.is_mla,
         )
         memory = self._describe(ordered, identity)
-        self._check_resolved_layout()
+        self._check_resolved_layout(memory.regions)
         self.transport = create_transport(
             config.transport,
             config.side_channel_host,
@@ -220,6 +262,7 @@ class ConnectorWorker:
                 block_size=config.block_size,
                 head_size=model.get_head_size(),
                 is_mla=config.is_mla,
+                head_major=vllm_compat.head_major_layout_requested(),
             )
             return KVCacheMemory([t for cache in ordered.values() for t in cache], regions)
         regions = regions_from_vllm_views(
@@ -231,17 +274,26 @@ class ConnectorWorker:
         )
         return KVCacheMemory(list(ordered.values()), regions)
 
-    def _check_resolved_layout(self) -> None:
-        resolved = vllm_compat.resolved_kv_cache_layout(self._vllm_config)
-        if resolved is None or self.config.is_mla:
+    def _check_resolved_layout(self, regions: list[Region]) -> None:
+        """Say which block order the KV tensors really have when it is not the head-major one
+        this connector asks vLLM for. The tensors decide, not the name vLLM reports: on
+        vllm-ascend the requested layout changes only that name, its attention backend shapes
+        the cache by ``VLLM_KV_CACHE_LAYOUT`` alone."""
+        if self.config.is_mla or not regions:
             return
-        if resolved != vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT:
-            logger.warning(
-                "KV cache layout resolved to %s instead of the preferred %s (an attention "
-                "backend vetoed it); heterogeneous TP then re-lays blocks out after each pull",
-                resolved,
-                vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT,
-            )
+        orders = {region.layout.block_order for region in regions}
+        if orders == {BlockOrder.HEAD_MAJOR} or all(r.layout.num_heads == 1 for r in regions):
+            return
+        resolved = vllm_compat.resolved_kv_cache_layout(self._vllm_config)
+        logger.warning(
+            "the KV cache tensors are %s (vLLM reports layout %s), not the preferred head-major "
+            "%s: heterogeneous TP then re-lays blocks out after each pull, or reads through the "
+            "staging buffer; on vllm-ascend, export VLLM_KV_CACHE_LAYOUT=HND for both instances "
+            "to get head-major tensors",
+            " and ".join(sorted(order.value for order in orders)),
+            resolved or "none",
+            vllm_compat.RESOLVED_HEAD_MAJOR_LAYOUT,
+        )
 
     # -- sleep mode (vLLM 0.33+) ---------------------------------------------------------------
 

@@ -120,6 +120,12 @@ class RegionLayout:
     latent region the whole per-token latent). ``packing`` is the order of the bytes inside a
     head-major (block, head) chunk where the backend's is known (empty otherwise; ignored for
     token-major and latent blocks, whose tokens are rows by definition).
+
+    ``num_blocks``, ``block_stride`` and ``tokens_per_block`` count the tensor's own blocks, the
+    attention kernel's. An engine may cut each of its blocks into ``kernel_blocks`` of them
+    (vllm-ascend: ``--block-size 256`` on a 128-token kernel; vLLM's ``kernel_block_sizes``):
+    the engine's block ``b`` is then this region's blocks ``b * kernel_blocks`` to
+    ``b * kernel_blocks + kernel_blocks - 1`` (:func:`kernel_block_ids`).
     """
 
     block_order: BlockOrder
@@ -129,9 +135,16 @@ class RegionLayout:
     tokens_per_block: int
     head_token_bytes: int
     packing: ChunkPacking = ()
+    kernel_blocks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "num_heads", "tokens_per_block", "head_token_bytes"):
+        for name in (
+            "num_blocks",
+            "num_heads",
+            "tokens_per_block",
+            "head_token_bytes",
+            "kernel_blocks",
+        ):
             if getattr(self, name) < 1:
                 raise LayoutError(f"region {name} must be >= 1, got {getattr(self, name)}")
         if self.packing:
@@ -181,6 +194,34 @@ class RegionLayout:
         return (self.num_blocks - 1) * self.block_stride + self.block_len
 
 
+def kernel_block_ids(
+    block_ids: Sequence[int], kernel_blocks: int, kernel_tokens: int, num_tokens: int | None
+) -> list[int]:
+    """The kernel blocks behind engine blocks ``block_ids`` (a prompt's blocks, or their suffix),
+    those past the prompt's last token dropped: each engine block is ``kernel_blocks`` kernel
+    blocks of ``kernel_tokens`` tokens, and the prompt's last engine block may fill only some.
+    Without ``num_tokens`` every kernel block is kept."""
+    if kernel_blocks == 1:
+        return list(block_ids)
+    ids = [b * kernel_blocks + i for b in block_ids for i in range(kernel_blocks)]
+    if num_tokens is not None and ids:
+        engine_tokens = kernel_blocks * kernel_tokens
+        in_last = num_tokens - (-(-num_tokens // engine_tokens) - 1) * engine_tokens
+        unused = kernel_blocks - -(-in_last // kernel_tokens) if num_tokens > 0 else 0
+        ids = ids[: len(ids) - unused]
+    return ids
+
+
+def kernel_blocks_of(block_size: int, tokens: int, what: str) -> int:
+    """How many of a tensor's ``tokens``-token blocks make one engine block of ``block_size``."""
+    _require(
+        tokens >= 1 and block_size % tokens == 0,
+        f"{what} has {tokens} tokens per block, which does not divide the engine block size "
+        f"{block_size}: the attention kernel's block must divide --block-size",
+    )
+    return block_size // tokens
+
+
 @dataclass(frozen=True)
 class Region:
     """A region at a concrete address in one process."""
@@ -225,10 +266,7 @@ def describe_vllm_layer_view(
     )
     num_blocks, heads, tokens, content = shape
     s_block, s_head, s_token, s_content = _byte_strides(strides, element_size)
-    _require(
-        tokens == block_size,
-        f"KV view has {tokens} tokens per block but the engine block size is {block_size}",
-    )
+    kernel_blocks = kernel_blocks_of(block_size, tokens, f"KV view {tuple(shape)}")
     expected_heads = 1 if is_mla else num_kv_heads
     _require(
         heads == expected_heads,
@@ -267,6 +305,7 @@ def describe_vllm_layer_view(
         tokens_per_block=tokens,
         head_token_bytes=head_token_bytes,
         packing=packing if order is BlockOrder.HEAD_MAJOR else (),
+        kernel_blocks=kernel_blocks,
     )
     return layout
 
@@ -279,58 +318,74 @@ def describe_split_kv_tensor(
     num_kv_heads: int,
     block_size: int,
     head_size: int,
+    head_major: bool = False,
 ) -> RegionLayout:
-    """Describe one of vllm-ascend's separate K or V tensors (token-major).
+    """Describe one of vllm-ascend's separate K or V tensors, from its shape and strides.
 
-    Accepts ``[num_blocks, block_size, heads, head_size]`` and the flattened
-    ``[num_blocks, block_size, heads * head_size]``; the head count and head size come from the
-    config because the flattened form cannot tell them apart.
+    Accepts the token-major ``[num_blocks, tokens, heads, head_size]`` (vllm-ascend's default
+    NHD), the head-major ``[num_blocks, heads, tokens, head_size]`` (its backend under
+    ``VLLM_KV_CACHE_LAYOUT=HND`` or ``LBHNC``: ``AscendAttentionBackend.get_kv_cache_shape``) and
+    the flattened ``[num_blocks, tokens, heads * head_size]``. ``tokens`` is the kernel block,
+    which may divide the engine's ``block_size``. ``head_major`` (the layout variable the backend
+    reads) only settles a shape that reads both ways (as many heads as tokens per block); the
+    strides must then agree with it.
     """
     byte_strides = _byte_strides(strides, element_size)
     head_token_bytes = head_size * element_size
+    name = f"K/V tensor {tuple(shape)} (byte strides {tuple(byte_strides)})"
     if len(shape) == 4:
-        num_blocks, tokens, heads, dim = shape
+        num_blocks, second, third, dim = shape
+        token_major_fits = third == num_kv_heads and block_size % second == 0
+        head_major_fits = second == num_kv_heads and block_size % third == 0
         _require(
-            heads == num_kv_heads and dim == head_size,
-            f"K/V tensor {tuple(shape)} does not hold {num_kv_heads} heads of size {head_size}",
+            dim == head_size and (token_major_fits or head_major_fits),
+            f"{name} does not hold {num_kv_heads} heads of size {head_size} per token in blocks "
+            f"that divide the engine block size {block_size}",
         )
-        _require(
-            byte_strides[3] == element_size and byte_strides[2] == head_token_bytes,
-            f"K/V tensor {tuple(shape)} heads are not contiguous within a token "
-            f"(byte strides {tuple(byte_strides)})",
-        )
+        order_is_head_major = head_major_fits and (head_major or not token_major_fits)
+        _require(byte_strides[3] == element_size, f"{name}: content is not contiguous")
+        if order_is_head_major:
+            tokens = third
+            _require(
+                byte_strides[2] == head_token_bytes
+                and byte_strides[1] == tokens * head_token_bytes,
+                f"{name} is not head-major [blocks, heads, tokens, head_size] inside a block",
+            )
+        else:
+            tokens = second
+            _require(
+                byte_strides[2] == head_token_bytes
+                and byte_strides[1] == num_kv_heads * head_token_bytes,
+                f"{name} is not token-major [blocks, tokens, heads, head_size] inside a block",
+            )
     elif len(shape) == 3:
         num_blocks, tokens, width = shape
+        order_is_head_major = False
         _require(
             width == num_kv_heads * head_size,
-            f"flattened K/V tensor {tuple(shape)} last dimension {width} is not "
-            f"{num_kv_heads} heads x {head_size}",
+            f"flattened {name} last dimension {width} is not {num_kv_heads} heads x {head_size}",
         )
         _require(
-            byte_strides[2] == element_size,
-            f"flattened K/V tensor {tuple(shape)} is not contiguous in its last dimension",
+            byte_strides[2] == element_size and byte_strides[1] == width * element_size,
+            f"flattened {name} is not contiguous within a block",
         )
     else:
         raise LayoutError(
-            f"expected a K or V tensor [blocks, tokens, heads, head_size] or [blocks, tokens, "
-            f"heads*head_size], got shape {tuple(shape)}"
+            f"expected a K or V tensor [blocks, tokens, heads, head_size], [blocks, heads, "
+            f"tokens, head_size] or [blocks, tokens, heads*head_size], got shape {tuple(shape)}"
         )
-    _require(
-        tokens == block_size,
-        f"K/V tensor has {tokens} tokens per block but the engine block size is {block_size}",
-    )
-    _require(
-        byte_strides[1] == num_kv_heads * head_token_bytes,
-        f"K/V tensor {tuple(shape)} tokens are not contiguous within a block "
-        f"(byte strides {tuple(byte_strides)})",
-    )
+    kernel_blocks = kernel_blocks_of(block_size, tokens, name)
+    order = BlockOrder.HEAD_MAJOR if order_is_head_major else BlockOrder.TOKEN_MAJOR
     return RegionLayout(
-        block_order=BlockOrder.TOKEN_MAJOR,
+        block_order=order,
         num_blocks=num_blocks,
         block_stride=byte_strides[0],
         num_heads=num_kv_heads,
         tokens_per_block=tokens,
         head_token_bytes=head_token_bytes,
+        # a head-major K or V tensor's (block, head) chunk is its tokens' rows, as the tensor says
+        packing=token_rows(head_token_bytes) if order_is_head_major else (),
+        kernel_blocks=kernel_blocks,
     )
 
 
@@ -366,11 +421,7 @@ def describe_latent_tensor(
             f"expected an MLA latent tensor [blocks, tokens, width] or [blocks, tokens, 1, width], "
             f"got shape {tuple(shape)}"
         )
-    _require(
-        tokens == block_size,
-        f"latent tensor {tuple(shape)} has {tokens} tokens per block but the engine block size "
-        f"is {block_size}",
-    )
+    kernel_blocks = kernel_blocks_of(block_size, tokens, f"latent tensor {tuple(shape)}")
     _require(
         s_content == element_size and s_token == width * element_size,
         f"latent tensor {tuple(shape)} is not contiguous within a block "
@@ -383,6 +434,7 @@ def describe_latent_tensor(
         num_heads=1,
         tokens_per_block=tokens,
         head_token_bytes=width * element_size,
+        kernel_blocks=kernel_blocks,
     )
 
 

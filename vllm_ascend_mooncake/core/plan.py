@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from .descriptors import needs_staging
-from .layout import BlockOrder, Region, RegionLayout
+from .layout import BlockOrder, Region, RegionLayout, kernel_block_ids
 from .plan_blocks import plan_equal_block_sizes
 from .plan_tokens import plan_mixed_block_sizes
 
@@ -100,9 +100,35 @@ def plan_request(
         planner = plan_mixed_block_sizes
     else:
         planner = plan_equal_block_sizes
-    return planner(
-        pulls, local_regions, remote_regions, local_block_ids, remote_block_ids, options, num_tokens
-    )
+    local_ids = _in_kernel_blocks(local_block_ids, local_regions, num_tokens, "decode")
+    remote_ids = remote_block_ids
+    for pull in pulls:  # every peer of a request is one prefill instance: one kernel block
+        peer = remote_regions.get(pull.prefill_rank) or ()
+        remote_ids = _in_kernel_blocks(remote_block_ids, peer, num_tokens, "prefill")
+        break
+    return planner(pulls, local_regions, remote_regions, local_ids, remote_ids, options, num_tokens)
+
+
+def _in_kernel_blocks(
+    block_ids: Sequence[int], regions: Sequence[Region], num_tokens: int | None, side: str
+) -> Sequence[int]:
+    """Engine block ids as the ids of the regions' own (kernel) blocks (:func:`kernel_block_ids`);
+    every region of a side is cut alike."""
+    cuts = {(r.layout.kernel_blocks, r.layout.tokens_per_block) for r in regions}
+    if len(cuts) > 1:
+        raise PlanError(
+            f"{side} regions cut engine blocks into kernel blocks in different ways "
+            f"({sorted(cuts)}): one request's blocks cannot be planned for all of them"
+        )
+    if not cuts:
+        return block_ids
+    ((kernel_blocks, kernel_tokens),) = cuts
+    if kernel_blocks > 1 and num_tokens is None:
+        raise PlanError(
+            f"{side} engine blocks are {kernel_blocks} kernel blocks each: planning needs the "
+            f"prompt length to know which of the last block's kernel blocks hold tokens"
+        )
+    return kernel_block_ids(block_ids, kernel_blocks, kernel_tokens, num_tokens)
 
 
 def request_needs_staging(

@@ -47,6 +47,10 @@ def transfer_timeout_s() -> float:
     return max(seconds, 5.0)
 
 
+#: What ``batch_transfer_async_read`` returns when it fails: 0 since Mooncake 0.3.12 (#2433);
+#: 0.3.11.post1 (vllm-ascend's images) returned the int -1 as an unsigned batch id.
+BATCH_ID_FAILED = frozenset({0, (1 << 64) - 1})
+
 # Polled wait: first sleep, and the longest sleep between two rounds of status checks.
 POLL_FIRST_SLEEP_S = 50e-6
 POLL_MAX_SLEEP_S = 0.5e-3
@@ -54,8 +58,11 @@ POLL_MAX_SLEEP_S = 0.5e-3
 # is given up as quarantined (the transport normally fails or completes it well before).
 SETTLE_TIMEOUTS = 3
 
-# Ascend's HCCL transport registers device memory in 2 MiB-aligned regions, at most 256 of them.
-DEVICE_REGISTRATION_LIMITS = {"npu": (2 << 20, 256)}
+#: Registrations per process a device's transport accepts. Ascend: 256, vllm-ascend's
+#: ``MAX_HCCL_REGISTER_REGIONS`` (``distributed/kv_transfer/utils/utils.py``, 0.30.0rc2), which
+#: it checks before its own Mooncake registrations; MOONCAKE_NPU_REGISTRATION_NOTE says what
+#: Mooncake's Ascend transports themselves check.
+MAX_REGISTRATIONS = {"npu": 256}
 
 
 class MooncakeTransport:
@@ -105,19 +112,15 @@ class MooncakeTransport:
 
     def register(self, ranges: Iterable[MemoryRange]) -> list[MemoryRange]:
         """Register memory once per backing storage; returns what was registered."""
-        merged = merge_ranges(ranges)
-        alignment, max_regions = DEVICE_REGISTRATION_LIMITS.get(self.device_type, (1, None))
+        merged = merge_ranges(ranges, touching=False)  # adjacent allocations stay apart
+        max_regions = MAX_REGISTRATIONS.get(self.device_type)
         if max_regions is not None and len(self._registered) + len(merged) > max_regions:
             raise TransportSetupError(
-                f"{len(merged)} memory regions would exceed the {self.device_type} limit of "
-                f"{max_regions} registrations per process"
+                f"{len(self._registered) + len(merged)} memory regions would exceed the "
+                f"{self.device_type} limit of {max_regions} registrations per process; the KV "
+                f"cache is registered once per allocation (view spans merged per storage): "
+                f"fewer, larger allocations (fewer layers per worker, a larger TP) lower it"
             )
-        for r in merged:
-            if r.addr % alignment or r.length % alignment:
-                raise TransportSetupError(
-                    f"{self.device_type} memory registration needs {alignment}-byte alignment; "
-                    f"region [{r.addr:#x}, +{r.length}) is not aligned"
-                )
         rc = self._engine.batch_register_memory(
             [r.addr for r in merged], [r.length for r in merged]
         )
@@ -177,7 +180,7 @@ class MooncakeTransport:
             batch_id = self._engine.batch_transfer_async_read(
                 peer, [local_addr], [remote_addr], [length]
             )
-            if batch_id == 0:  # Mooncake's failure value: batch ids are unsigned
+            if batch_id in BATCH_ID_FAILED:
                 rejected += 1
                 break  # the peer is unusable; wait out what is already in flight
             pending.append(batch_id)

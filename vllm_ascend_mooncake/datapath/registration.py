@@ -36,7 +36,7 @@ from ..core.layout import (
     describe_split_kv_tensor,
     describe_vllm_layer_view,
 )
-from .transport import MemoryRange
+from .transport import MemoryRange, merge_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -98,13 +98,17 @@ def regions_from_split_caches(
     block_size: int,
     head_size: int,
     is_mla: bool,
+    head_major: bool = False,
 ) -> list[Region]:
     """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order.
 
     With ``is_mla`` every tensor of a layer's tuple is one :attr:`~BlockOrder.LATENT` region,
     replicated on every rank and described from its own shape (widths may differ): a pair is
     ``(nope, rope)``, named ``<layer>.nope`` and ``<layer>.rope``; a single latent keeps the layer
-    name. Without it a pair is token-major ``(K, V)``, named ``<layer>.k`` and ``<layer>.v``.
+    name; more parts (DeepSeek V3.2 on vllm-ascend 0.23: nope, rope, the indexer's keys and their
+    scales) are named ``<layer>.<position>``. Without it a pair is ``(K, V)``, token- or
+    head-major (``head_major``: the layout variable vllm-ascend's backend reads, see
+    :func:`~..core.layout.describe_split_kv_tensor`), named ``<layer>.k`` and ``<layer>.v``.
     """
     regions = []
     for name, tensors in kv_caches.items():
@@ -118,6 +122,7 @@ def regions_from_split_caches(
                     num_kv_heads=num_kv_heads,
                     block_size=block_size,
                     head_size=head_size,
+                    head_major=head_major,
                 )
             )
     return regions
@@ -129,10 +134,7 @@ def _latent_regions(name: str, tensors: tuple[torch.Tensor, ...], block_size: in
     elif len(tensors) == 2:
         names = [f"{name}.nope", f"{name}.rope"]
     else:
-        raise LayoutError(
-            f"layer {name}: an MLA cache is one latent tensor or a (nope, rope) pair, got "
-            f"{len(tensors)} tensors of shapes {[tuple(t.shape) for t in tensors]}"
-        )
+        names = [f"{name}.{position}" for position in range(len(tensors))]
     regions = []
     for region_name, tensor in zip(names, tensors, strict=True):
         try:
@@ -152,6 +154,7 @@ def _kv_regions(
     num_kv_heads: int,
     block_size: int,
     head_size: int,
+    head_major: bool,
 ) -> list[Region]:
     if len(tensors) != 2:
         raise LayoutError(
@@ -176,15 +179,38 @@ def _kv_regions(
             num_kv_heads=num_kv_heads,
             block_size=block_size,
             head_size=head_size,
+            head_major=head_major,
         )
         regions.append(Region(f"{name}.{suffix}", tensor.data_ptr(), layout))
     return regions
 
 
-def storage_ranges(tensors: Iterable[torch.Tensor]) -> list[MemoryRange]:
-    """The distinct backing storages of ``tensors`` (vLLM layers share one)."""
-    seen: dict[int, MemoryRange] = {}
+def kv_memory_ranges(tensors: Iterable[torch.Tensor]) -> list[MemoryRange]:
+    """The memory to register for ``tensors``: the bytes each view spans, merged per storage.
+
+    Registering a view's span rather than its whole storage is what vllm-ascend's allocations
+    need: each cache is a 2 MiB-aligned view sliced out of a larger raw allocation
+    (``_allocate_int8_cache_tensor``), so the storage starts unaligned and ends wherever the
+    padding does. Spans of one storage that overlap or touch (vLLM's layers sharing one
+    allocation, vllm-ascend's interleaved K and V views of one allocation) become one range, as
+    vllm-ascend's own ``collect_storage_merged_register_regions`` does
+    (``distributed/kv_transfer/utils/utils.py``); spans of different storages never merge, even
+    when adjacent: a device registration must not cross two allocations."""
+    spans: dict[int, list[MemoryRange]] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen.setdefault(storage.data_ptr(), MemoryRange(storage.data_ptr(), storage.nbytes()))
-    return list(seen.values())
+        span = view_span(tensor)
+        if span is not None:
+            spans.setdefault(tensor.untyped_storage().data_ptr(), []).append(span)
+    return [merged for group in spans.values() for merged in merge_ranges(group)]
+
+
+def view_span(tensor: torch.Tensor) -> MemoryRange | None:
+    """The bytes a strided view can touch, from its first element to its last (None: empty)."""
+    if tensor.numel() == 0:
+        return None
+    if any(stride < 0 for stride in tensor.stride()):
+        raise LayoutError(f"a KV tensor with negative strides {tensor.stride()} is not supported")
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return MemoryRange(tensor.data_ptr(), (last + 1) * tensor.element_size())

@@ -47,11 +47,12 @@ class MemoryRange:
         return self.addr + self.length
 
 
-def merge_ranges(ranges: Iterable[MemoryRange]) -> list[MemoryRange]:
-    """Merge overlapping or touching ranges (vLLM's layers share one allocation)."""
+def merge_ranges(ranges: Iterable[MemoryRange], *, touching: bool = True) -> list[MemoryRange]:
+    """Merge overlapping ranges, and touching ones unless ``touching`` is False (vLLM's layers
+    share one allocation; two allocations that happen to be adjacent are not one)."""
     merged: list[MemoryRange] = []
     for r in sorted(ranges, key=lambda r: r.addr):
-        if merged and r.addr <= merged[-1].end:
+        if merged and (r.addr <= merged[-1].end if touching else r.addr < merged[-1].end):
             last = merged[-1]
             merged[-1] = MemoryRange(last.addr, max(last.end, r.end) - last.addr)
         else:

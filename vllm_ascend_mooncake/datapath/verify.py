@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..core.digest import checksum_ranges
-from ..core.layout import Region
+from ..core.layout import Region, kernel_block_ids
 from ..core.relayout import LocalMemory
 from .failures import FailureKind, PullError
 from .wire import ReadDigest, VerifyRead
@@ -100,6 +100,12 @@ def ranges_outside(
     counts = np.array([r.layout.num_blocks for r in regions], dtype=np.int64)
     if not len(bases):
         return "this worker serves no KV regions"
+    cuts = {(r.layout.kernel_blocks, r.layout.tokens_per_block) for r in regions}
+    if len(cuts) == 1:  # held engine blocks as the regions' own (kernel) blocks
+        ((kernel_blocks, kernel_tokens),) = cuts
+        blocks = kernel_block_ids(blocks, kernel_blocks, kernel_tokens, None)
+    else:
+        return "this worker's KV regions cut engine blocks in different ways"
     held = np.zeros(int(counts.max()) + 1, dtype=np.int64)
     known = np.asarray([b for b in blocks if 0 <= b < len(held) - 1], dtype=np.int64)
     held[known + 1] = 1

@@ -71,6 +71,9 @@ class RegionInfo(msgspec.Struct, frozen=True):
     packing: Annotated[
         list[tuple[Size, Size, Size]], msgspec.Meta(max_length=MAX_PACKING_GROUPS)
     ] = msgspec.field(default_factory=list)
+    #: the tensor's (kernel) blocks per engine block; added without a protocol bump: a peer
+    #: that does not send it has one kernel block per engine block, as every release before.
+    kernel_blocks: Size = 1
 
     @classmethod
     def of(cls, region: Region) -> RegionInfo:
@@ -85,6 +88,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
             tokens_per_block=layout.tokens_per_block,
             head_token_bytes=layout.head_token_bytes,
             packing=[(g.rows, g.token_bytes, g.token_unit) for g in layout.packing],
+            kernel_blocks=layout.kernel_blocks,
         )
 
     def to_region(self) -> Region:
@@ -103,6 +107,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
                 tokens_per_block=self.tokens_per_block,
                 head_token_bytes=self.head_token_bytes,
                 packing=tuple(RowGroup(*group) for group in self.packing),
+                kernel_blocks=self.kernel_blocks,
             )
         except LayoutError as exc:
             raise WireError(f"peer region {self.name} is not a valid layout: {exc}") from exc

@@ -176,14 +176,14 @@ class _WorkerState:
             build_decode_side,
         )
         from ..datapath.receiver import ReceiverOptions
-        from ..datapath.registration import storage_ranges
+        from ..datapath.registration import kv_memory_ranges
 
         self.case, self.rank = case, rank
         topo = case.topology()
         heads = owned_heads(case.ref_heads, case.decode_tp, rank, case.is_mla)
         self._allocate(case, len(heads), case.decode_blocks, case.block_size)
         self.ceiling_tensor = torch.zeros(max(case.ceiling_bytes, 1), dtype=torch.uint8)
-        self.transport.register(storage_ranges([self.ceiling_tensor]))
+        self.transport.register(kv_memory_ranges([self.ceiling_tensor]))
         self.snapshot = [a.copy() for a in self.memory_arrays] if case.verify else []
         # The production wiring, with sizes in bytes (the keys' KiB and MiB cannot express the
         # few-hundred-byte descriptors and staging buffers some cases use).
