@@ -18,7 +18,7 @@ from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
-from ..datapath.mooncake import MooncakeTransport
+from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeTransport
 from ..datapath.peers import PeerDirectory
 from ..datapath.receiver import Receiver, ReceiverOptions
 from ..datapath.registration import kv_memory_ranges
@@ -202,12 +202,8 @@ def build_decode_side(
     ``memory_type``: how fix-ups copy (tests pass a fake of an accelerator's queued copies)."""
     import torch
 
-    device = memory.tensors[0].device if memory.tensors else "cpu"
-    staging = (
-        [torch.empty(settings.staging_bytes, dtype=torch.uint8, device=device)]
-        if settings.staging_bytes
-        else []
-    )
+    device = torch.device(memory.tensors[0].device if memory.tensors else "cpu")
+    staging = [staging_buffer(settings.staging_bytes, device)] if settings.staging_bytes else []
     transport.register(kv_memory_ranges(memory.tensors) + kv_memory_ranges(staging))
     metadata = _metadata(who, transport, memory.regions)
     client = SideChannelClient(settings.side_channel_timeout_s, secret=settings.secret)
@@ -225,6 +221,19 @@ def build_decode_side(
         StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
     )
     return DecodeSide(receiver, client, peers, metadata, local_memory, staging)
+
+
+def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Decode's staging buffer; on an NPU it starts on a 2 MiB boundary, as vllm-ascend aligns
+    its KV caches for Mooncake (``_allocate_int8_cache_tensor``), by slicing it out of an
+    allocation 2 MiB larger."""
+    import torch
+
+    if device.type != "npu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    raw = torch.empty(nbytes + NPU_ADDRESS_ALIGNMENT, dtype=torch.uint8, device=device)
+    offset = -raw.data_ptr() % NPU_ADDRESS_ALIGNMENT
+    return raw[offset : offset + nbytes]
 
 
 def staging_areas(base: int, size: int) -> list[StagingArea]:

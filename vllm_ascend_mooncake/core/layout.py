@@ -340,7 +340,9 @@ def describe_split_kv_tensor(
         _require(
             dim == head_size and (token_major_fits or head_major_fits),
             f"{name} does not hold {num_kv_heads} heads of size {head_size} per token in blocks "
-            f"that divide the engine block size {block_size}",
+            f"that divide the engine block size {block_size}; a layer with a KV-head count of its "
+            f"own (an MTP or EAGLE draft layer) is not supported yet: serve P/D without "
+            f"speculative decoding",
         )
         order_is_head_major = head_major_fits and (head_major or not token_major_fits)
         _require(byte_strides[3] == element_size, f"{name}: content is not contiguous")

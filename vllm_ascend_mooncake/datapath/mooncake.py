@@ -47,6 +47,10 @@ def transfer_timeout_s() -> float:
     return max(seconds, 5.0)
 
 
+#: The device address alignment Mooncake's Ascend docs ask for under HCCS
+#: (``docs/source/design/transfer-engine/ascend_direct_transport.md``).
+NPU_ADDRESS_ALIGNMENT = 2 << 20
+
 #: What ``batch_transfer_async_read`` returns when it fails: 0 since Mooncake 0.3.12 (#2433);
 #: 0.3.11.post1 (vllm-ascend's images) returned the int -1 as an unsigned batch id.
 BATCH_ID_FAILED = frozenset({0, (1 << 64) - 1})
@@ -58,11 +62,16 @@ POLL_MAX_SLEEP_S = 0.5e-3
 # is given up as quarantined (the transport normally fails or completes it well before).
 SETTLE_TIMEOUTS = 3
 
-#: Registrations per process a device's transport accepts. Ascend: 256, vllm-ascend's
-#: ``MAX_HCCL_REGISTER_REGIONS`` (``distributed/kv_transfer/utils/utils.py``, 0.30.0rc2), which
-#: it checks before its own Mooncake registrations; MOONCAKE_NPU_REGISTRATION_NOTE says what
-#: Mooncake's Ascend transports themselves check.
-MAX_REGISTRATIONS = {"npu": 256}
+# Registration rules, as read in Mooncake's sources (v0.3.11.post1, the vllm-ascend images', and
+# v0.3.12.post1): ``TransferEngineImpl::registerLocalMemoryBatch`` refuses overlaps (-7) and, in
+# newer releases, empty ranges; the ADXL transport (``ascend_direct_transport.cpp``
+# ``registerLocalMemory``/``registerMem``, what the PyPI NPU wheels build for protocol "ascend")
+# checks only that the address is ACL memory; the HCCL transport (source builds) only counts
+# registrations, up to ASCEND_TRANSPORT_MAX_REG_MEMORY_NUM (8192). No length or alignment rule
+# is enforced; Mooncake's docs ask for 2 MiB-aligned device addresses under HCCS, which
+# vllm-ascend's caches are (``_allocate_int8_cache_tensor``) and :func:`.registration.
+# kv_memory_ranges` keeps (it registers the views, not their unaligned storage). So nothing is
+# checked here that Mooncake would let through, and nothing it would refuse is let through.
 
 
 class MooncakeTransport:
@@ -113,14 +122,17 @@ class MooncakeTransport:
     def register(self, ranges: Iterable[MemoryRange]) -> list[MemoryRange]:
         """Register memory once per backing storage; returns what was registered."""
         merged = merge_ranges(ranges, touching=False)  # adjacent allocations stay apart
-        max_regions = MAX_REGISTRATIONS.get(self.device_type)
-        if max_regions is not None and len(self._registered) + len(merged) > max_regions:
-            raise TransportSetupError(
-                f"{len(self._registered) + len(merged)} memory regions would exceed the "
-                f"{self.device_type} limit of {max_regions} registrations per process; the KV "
-                f"cache is registered once per allocation (view spans merged per storage): "
-                f"fewer, larger allocations (fewer layers per worker, a larger TP) lower it"
-            )
+        if self.device_type == "npu":
+            unaligned = [r for r in merged if r.addr % NPU_ADDRESS_ALIGNMENT]
+            if unaligned:
+                logger.warning(
+                    "%d of %d npu memory range(s) to register start off a 2 MiB boundary (the "
+                    "first at %#x); Mooncake's docs ask for 2 MiB-aligned device addresses "
+                    "under HCCS, and vllm-ascend aligns its KV caches so",
+                    len(unaligned),
+                    len(merged),
+                    unaligned[0].addr,
+                )
         rc = self._engine.batch_register_memory(
             [r.addr for r in merged], [r.length for r in merged]
         )

@@ -112,13 +112,15 @@ def regions_from_split_caches(
     """
     regions = []
     for name, tensors in kv_caches.items():
+        # a layer of one tensor (DeepSeek V3.2's indexer keys on vllm-ascend 0.30) is one part
+        parts = tuple(tensors) if isinstance(tensors, (tuple, list)) else (tensors,)
         if is_mla:
-            regions.extend(_latent_regions(name, tuple(tensors), block_size))
+            regions.extend(_latent_regions(name, parts, block_size))
         else:
             regions.extend(
                 _kv_regions(
                     name,
-                    tuple(tensors),
+                    parts,
                     num_kv_heads=num_kv_heads,
                     block_size=block_size,
                     head_size=head_size,
@@ -172,15 +174,18 @@ def _kv_regions(
         )
     regions = []
     for suffix, tensor in zip(("k", "v"), tensors, strict=True):
-        layout = describe_split_kv_tensor(
-            tensor.shape,
-            tensor.stride(),
-            tensor.element_size(),
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            head_size=head_size,
-            head_major=head_major,
-        )
+        try:
+            layout = describe_split_kv_tensor(
+                tensor.shape,
+                tensor.stride(),
+                tensor.element_size(),
+                num_kv_heads=num_kv_heads,
+                block_size=block_size,
+                head_size=head_size,
+                head_major=head_major,
+            )
+        except LayoutError as exc:
+            raise LayoutError(f"layer {name}.{suffix}: {exc}") from exc
         regions.append(Region(f"{name}.{suffix}", tensor.data_ptr(), layout))
     return regions
 
