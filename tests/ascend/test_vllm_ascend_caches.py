@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ascend_mooncake.connector.worker import (
+from vllm_ascend_mooncake.connector.attention_layers import (
     refuse_hybrid_layers,
     refuse_unsupported_parallelism,
 )

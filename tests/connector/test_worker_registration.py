@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_ascend_mooncake.connector.attention_layers import AttentionGeometry
 from vllm_ascend_mooncake.connector.worker import ConnectorWorker
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError
 from vllm_ascend_mooncake.core.packing import chunk_packing
@@ -27,13 +28,13 @@ def ascend_mla_caches():
 
 
 def worker(is_mla: bool, heads: int, head_size: int, block_size: int = BLOCK_SIZE):
-    model = SimpleNamespace(
-        get_num_kv_heads=lambda parallel: heads, get_head_size=lambda: head_size
-    )
+    """A worker's ``_describe`` for layers whose attention allocated ``heads`` of ``head_size``."""
     made = object.__new__(ConnectorWorker)  # not started: only what _describe reads
     made.config = SimpleNamespace(is_mla=is_mla, block_size=block_size)
-    made._vllm_config = SimpleNamespace(model_config=model, parallel_config=None)
-    return made
+    geometry = AttentionGeometry(heads, head_size)
+    return SimpleNamespace(
+        _describe=lambda caches, identity: made._describe(caches, identity, geometry)
+    )
 
 
 def test_the_worker_describes_tuple_caches_with_the_configs_mla_flag() -> None:

@@ -49,16 +49,18 @@ def model_identity(
     *,
     block_size: int,
     num_kv_heads: int,
+    head_size: int,
     is_mla: bool,
 ) -> ModelIdentity:
     """The identity of a worker whose KV cache holds ``layer_names``.
 
-    ``head_size`` is the model's (vLLM's ``get_head_size``), not any one region's width: for MLA it
-    is ``kv_lora_rank + qk_rope_head_dim``, the whole per-token latent, which vLLM keeps in one
-    region per layer and vllm-ascend splits into a nope and a rope region (their widths add up to
-    it). Each region's own width travels in its :class:`~.wire.RegionInfo`, and :mod:`.compat`
-    pairs regions one by one, so a nope region is only ever combined with a nope region of the
-    same width. ``num_layers`` counts layers, not regions.
+    ``head_size`` is what the attention layers allocated
+    (:func:`.attention_layers.attention_geometry`), not the config's nor any one region's width:
+    for MLA it is ``kv_lora_rank + qk_rope_head_dim``, the whole per-token latent, which vLLM
+    keeps in one region per layer and vllm-ascend splits into a nope and a rope region (their
+    widths add up to it). Each region's own width travels in its :class:`~.wire.RegionInfo`,
+    and :mod:`.compat` pairs regions one by one, so a nope region is only ever combined with a
+    nope region of the same width. ``num_layers`` counts layers, not regions.
     """
     import vllm
 
@@ -71,7 +73,7 @@ def model_identity(
         dtype=str(model.dtype),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         block_size=block_size,
-        head_size=model.get_head_size(),
+        head_size=head_size,
         num_kv_heads=num_kv_heads,
         num_layers=len(names),
         is_mla=is_mla,

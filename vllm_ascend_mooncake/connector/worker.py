@@ -16,7 +16,6 @@ from typing import Any
 from ..core.layout import (
     BlockOrder,
     ChunkPacking,
-    LayoutError,
     Region,
     head_chunk_token_bytes,
     packing_text,
@@ -25,7 +24,11 @@ from ..core.packing import chunk_packing
 from ..datapath.orders import StepOrders
 from ..datapath.pairing import pair_with_prefills, parse_endpoints
 from ..datapath.receiver import Receiver
-from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
+from ..datapath.registration import (
+    cache_parts,
+    regions_from_split_caches,
+    regions_from_vllm_views,
+)
 from ..datapath.sender import PrefillSender
 from ..datapath.transport import MemoryRange, Transport
 from ..datapath.wire import ModelIdentity
@@ -33,6 +36,13 @@ from ..defaults import SLEEP_DRAIN_S
 from ..log import get_logger
 from ..timeline import TimelineLog
 from . import vllm_compat
+from .attention_layers import (
+    AttentionGeometry,
+    LayerGeometry,
+    attention_geometry,
+    refuse_hybrid_layers,
+    refuse_unsupported_parallelism,
+)
 from .config import ConnectorConfig
 from .identity import model_identity
 from .stats import TransferStats
@@ -116,39 +126,6 @@ def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacki
     return ()
 
 
-def refuse_unsupported_parallelism(parallel_config: Any) -> None:
-    """Refuse decode or prefill context parallelism (DCP/PCP): their ranks hold a share of each
-    block's tokens, which the transfer topology does not plan (it would be mis-planned, not
-    merely slow)."""
-    for attribute, name in (
-        ("decode_context_parallel_size", "decode context parallelism (DCP)"),
-        ("prefill_context_parallel_size", "prefill context parallelism (PCP)"),
-    ):
-        size = getattr(parallel_config, attribute, 1) or 1
-        if size > 1:
-            raise LayoutError(
-                f"{name} of size {size} is not supported by this KV connector: its ranks hold "
-                f"interleaved shares of each block's tokens, which the transfer plan does not "
-                f"describe; serve P/D with --{attribute.replace('_', '-')} 1"
-            )
-
-
-def refuse_hybrid_layers(kv_caches: dict[str, Any], layers: dict[str, Any]) -> None:
-    """Refuse a model with Mamba or linear-attention (state) layers, naming one: their caches are
-    states, not blocks of tokens, and vLLM turns its hybrid KV cache manager off for this
-    connector, so they cannot be held and pulled as a prompt's blocks."""
-    for name, cache in kv_caches.items():
-        layer = layers.get(name)
-        kinds = {cls.__name__ for cls in type(layer).__mro__} if layer is not None else set()
-        if "MambaBase" in kinds or (isinstance(cache, list) and "AttentionLayerBase" not in kinds):
-            what = type(layer).__name__ if layer is not None else "a list of state tensors"
-            raise LayoutError(
-                f"layer {name} ({what}) is a Mamba / linear-attention state layer: hybrid models "
-                f"(Qwen3-Next, Jamba, Bamba, Gated DeltaNet) are not served by this KV connector "
-                f"yet; serve the model without P/D, or with a connector that implements SupportsHMA"
-            )
-
-
 def _layer_order(name: str) -> tuple[int, str]:
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -181,16 +158,27 @@ class ConnectorWorker:
 
         config, vllm_config = self.config, self._vllm_config
         ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
+        layers = vllm_config.compilation_config.static_forward_context
         refuse_unsupported_parallelism(vllm_config.parallel_config)
-        refuse_hybrid_layers(ordered, vllm_config.compilation_config.static_forward_context)
+        refuse_hybrid_layers(ordered, layers)
+        model = vllm_config.model_config
+        geometry = attention_geometry(
+            ordered,
+            layers,
+            default=LayerGeometry(
+                model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size()
+            ),
+            is_mla=config.is_mla,
+        )
         identity = model_identity(
             vllm_config,
             ordered,
             block_size=config.block_size,
             num_kv_heads=config.num_kv_heads,
+            head_size=geometry.head_size,
             is_mla=config.is_mla,
         )
-        memory = self._describe(ordered, identity)
+        memory = self._describe(ordered, identity, geometry)
         self._check_resolved_layout(memory.regions)
         self.transport = create_transport(
             config.transport,
@@ -248,26 +236,29 @@ class ConnectorWorker:
             topology.describe(),
         )
 
-    def _describe(self, ordered: dict[str, Any], identity: ModelIdentity) -> KVCacheMemory:
-        """vLLM's KV caches (layer order) as registered tensors and described regions."""
-        config, vllm_config = self.config, self._vllm_config
-        model = vllm_config.model_config
-        local_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    def _describe(
+        self, ordered: dict[str, Any], identity: ModelIdentity, geometry: AttentionGeometry
+    ) -> KVCacheMemory:
+        """vLLM's KV caches (layer order) as registered tensors and described regions, each
+        layer checked against the head count and head size its attention layer allocated."""
+        config = self.config
         if any(isinstance(cache, (tuple, list)) for cache in ordered.values()):
             # vllm-ascend hands over (K, V) tensors per layer, or for MLA (nope, rope) -- or one
             # packed latent -- each its own replicated region (see registration.py).
             regions = regions_from_split_caches(
                 ordered,
-                num_kv_heads=local_heads,
+                num_kv_heads=geometry.num_kv_heads,
                 block_size=config.block_size,
-                head_size=model.get_head_size(),
+                head_size=geometry.head_size,
                 is_mla=config.is_mla,
                 head_major=vllm_compat.head_major_layout_requested(),
             )
-            return KVCacheMemory([t for cache in ordered.values() for t in cache], regions)
+            return KVCacheMemory(
+                [t for cache in ordered.values() for t in cache_parts(cache)], regions
+            )
         regions = regions_from_vllm_views(
             ordered,
-            num_kv_heads=local_heads,
+            num_kv_heads=geometry.num_kv_heads,
             block_size=config.block_size,
             is_mla=config.is_mla,
             packing=_chunk_packing(identity, ordered),

@@ -112,8 +112,7 @@ def regions_from_split_caches(
     """
     regions = []
     for name, tensors in kv_caches.items():
-        # a layer of one tensor (DeepSeek V3.2's indexer keys on vllm-ascend 0.30) is one part
-        parts = tuple(tensors) if isinstance(tensors, (tuple, list)) else (tensors,)
+        parts = cache_parts(tensors)
         if is_mla:
             regions.extend(_latent_regions(name, parts, block_size))
         else:
@@ -128,6 +127,12 @@ def regions_from_split_caches(
                 )
             )
     return regions
+
+
+def cache_parts(cache: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple:
+    """A layer's cache tensors: its tuple, or one tensor alone (DeepSeek V3.2's indexer keys,
+    a layer of their own on vllm-ascend 0.30)."""
+    return tuple(cache) if isinstance(cache, (tuple, list)) else (cache,)
 
 
 def _latent_regions(name: str, tensors: tuple[torch.Tensor, ...], block_size: int) -> list[Region]:
