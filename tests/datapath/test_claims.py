@@ -329,3 +329,14 @@ def test_should_the_claims_thread_fail_every_claim_fails_at_once_instead_of_hang
             claim(exchange, prefill.port, "later", check=never_cancelled).result(timeout=0)
     finally:
         prefill.server.close()
+
+
+def test_a_claim_to_a_malformed_host_fails_at_once_and_keeps_no_socket(exchange) -> None:
+    """Issue #43 item 2: ZMQ refuses such a host only in connect(), after the socket was made;
+    the claim was then asked again like a silent peer's, a socket each time."""
+    message = ClaimRead("bad-host", 0, "incarnation", wait_s=1.0)
+    future = exchange.claim("127.0.0.1 ", 40000, message, time.monotonic() + 30, never_cancelled)
+    with pytest.raises(SideChannelError, match="neither an IP address nor a host name"):
+        future.result(timeout=10 * claims_module.TICK_S + 1)
+    assert exchange._sockets == {}
+    assert exchange._thread.is_alive()

@@ -39,13 +39,15 @@ import zmq
 
 from ..log import get_logger
 from .side_channel import (
+    BadAddress,
     PeerSilent,
     SideChannelClient,
     SideChannelError,
+    check_address,
+    connect_dealer,
     refusal_checked,
-    zmq_address,
 )
-from .wire import MAX_MESSAGE_BYTES, ClaimRead, ClaimReply, Message
+from .wire import ClaimRead, ClaimReply, Message
 
 logger = get_logger(__name__)
 
@@ -229,6 +231,9 @@ class ClaimExchange:
             self._socket(claim.peer).send_multipart(
                 self._client.request_frames(claim.message, claim.tag), zmq.NOBLOCK
             )
+        except BadAddress as exc:  # asking again would not help
+            self._end(claim, error=exc)
+            return
         except zmq.ZMQError as exc:  # out of sockets or a full queue: retried like silence
             logger.warning("claim to %s:%d not sent: %s", *claim.peer, exc)
             claim.expires_at = now
@@ -326,13 +331,13 @@ class ClaimExchange:
         if sock is not None:
             self._sockets.move_to_end(peer)
             return sock
-        host, port = peer
+        check_address(*peer)
         sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if ":" in host:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(zmq_address(host, port))
+        try:
+            connect_dealer(sock, *peer)
+        except zmq.ZMQError:  # closed, or every such claim would leak a socket
+            sock.close()
+            raise
         self._sockets[peer] = sock
         self._peer_of[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
