@@ -226,6 +226,9 @@ class Receiver:
         self._failed: dict[str, PullFailure] = {}
         self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
         self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
+        #: ... of those, the ones vLLM still wants that sleep mode cut short, and why: a failure
+        #: (their blocks are load errors), not a cancel (vLLM would use the blocks unloaded)
+        self._interrupted: dict[str, str] = {}
         self._stats: list[PullStats] = []
         # (transfer id, prefill host, port) -> pulls on this worker that looked the peer up for
         # it and have not sent their read-done notice: only the last one sends it, so a second
@@ -260,7 +263,8 @@ class Receiver:
         deadline = time.monotonic() + timeout_s
         with self._news:
             self._suspended = reason
-            self._cancelled |= self._in_flight
+            for request_id in self._in_flight:
+                self._interrupted.setdefault(request_id, reason)
             while self._waited_for and (left := deadline - time.monotonic()) > 0:
                 self._news.wait(left)
             if self._waited_for:
@@ -284,10 +288,19 @@ class Receiver:
                 self._cancelled.add(request_id)
 
     def _check_cancelled(self, pull: PullOrder) -> None:
+        """Raise while ``pull`` is no longer to go on: :class:`PullCancelled` once vLLM finished
+        the request, a failure of its own once sleep mode interrupted it (vLLM still waits for
+        its blocks, which must then be reported as load errors, never as loaded)."""
         with self._lock:
             cancelled = pull.request_id in self._cancelled
+            interrupted = self._interrupted.get(pull.request_id)
         if cancelled:
-            raise PullCancelled(f"request {pull.request_id} finished before prefill granted it")
+            raise PullCancelled(f"request {pull.request_id} finished before its KV was read")
+        if interrupted is not None:
+            raise PullError(
+                FailureKind.UNAVAILABLE_HERE,
+                f"{interrupted} (the pull of request {pull.request_id} was interrupted)",
+            )
 
     def wait_for_news(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
@@ -633,6 +646,7 @@ class Receiver:
                 self._waited_for -= 1  # nothing to wait for: it is never reported
                 self._in_flight.discard(state.pull.request_id)
                 self._cancelled.discard(state.pull.request_id)
+                self._interrupted.pop(state.pull.request_id, None)
             return
         fixup_started = time.perf_counter()
         try:
@@ -679,6 +693,7 @@ class Receiver:
                 )
             self._in_flight.discard(pull.request_id)
             self._cancelled.discard(pull.request_id)
+            self._interrupted.pop(pull.request_id, None)
             self._waited_for -= 1
             self._news.notify_all()
 
