@@ -258,8 +258,9 @@ class Receiver:
 
     def suspend(self, reason: str, timeout_s: float) -> None:
         """Before vLLM's sleep mode discards the KV cache: fail new pulls with ``reason``, make
-        pulls still waiting for a grant give up, and wait up to ``timeout_s`` for reads under
-        way to settle (they write into the memory about to be unregistered)."""
+        pulls still waiting for a grant give up and reads still queued on a lane never start
+        (each fails with ``reason``, its blocks load errors), and wait up to ``timeout_s`` for
+        reads under way to settle (they write into the memory about to be unregistered)."""
         deadline = time.monotonic() + timeout_s
         with self._news:
             self._suspended = reason
@@ -280,9 +281,9 @@ class Receiver:
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's
-        grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`). Reads
-        already under way run to the end: a Mooncake read cannot be cancelled, and vLLM keeps
-        the blocks until it is told."""
+        grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`), reads still
+        queued on a peer's lane do not start. Reads already under way run to the end: a
+        Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
         with self._lock:
             if request_id in self._in_flight:
                 self._cancelled.add(request_id)
@@ -540,21 +541,7 @@ class Receiver:
                     self._open_circuits.pop(peer.transport_session, None)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = as_pull_error(exc)
-                if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
-                    with self._lock:
-                        self._open_circuits[peer.transport_session] = (
-                            time.monotonic() + self._options.peer_cooldown_s
-                        )
-                    state.quarantined = True
-                self._peers.invalidate(peer.host, peer.port)
-                logger.warning(
-                    "request %s: read from prefill rank %d (%s) failed (%s): %s",
-                    state.pull.request_id,
-                    peer.rank,
-                    peer.transport_session,
-                    failure.kind.value,
-                    exc,
-                )
+                self._read_failed(state, peer, failure, exc)
         reason = failure or state.failure
         self._notify(peer, state.pull.transfer_id, None if reason is None else str(reason))
         with state.lock:
@@ -565,6 +552,34 @@ class Receiver:
         if last:
             state.timeline.landed = time.monotonic()
             self._complete(state)
+
+    def _read_failed(
+        self, state: _InFlight, peer: LeasedPeer, failure: PullError, exc: Exception
+    ) -> None:
+        if failure.kind in (FailureKind.CANCELLED, FailureKind.UNAVAILABLE_HERE):
+            # cancelled or asleep before this read started: nothing wrong with the peer
+            logger.info(
+                "request %s: no read from prefill rank %d: %s",
+                state.pull.request_id,
+                peer.rank,
+                exc,
+            )
+            return
+        if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
+            with self._lock:
+                self._open_circuits[peer.transport_session] = (
+                    time.monotonic() + self._options.peer_cooldown_s
+                )
+            state.quarantined = True
+        self._peers.invalidate(peer.host, peer.port)
+        logger.warning(
+            "request %s: read from prefill rank %d (%s) failed (%s): %s",
+            state.pull.request_id,
+            peer.rank,
+            peer.transport_session,
+            failure.kind.value,
+            exc,
+        )
 
     def _check_circuit(self, session: str) -> None:
         """Fail at once while ``session``'s circuit is open (a read from it never settled)."""
@@ -579,12 +594,16 @@ class Receiver:
             )
 
     def _read_leased(self, pull: PullOrder, peer: LeasedPeer, peer_plan: PeerPlan) -> None:
-        """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
+        """Read every batch under a valid lease; bytes that may postdate the lease are refused.
+        A pull cancelled or cut short by sleep mode while its reads waited in the peer's lane
+        reads no further batch: sleep unregisters the memory they would land in."""
+        self._check_cancelled(pull)
         self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
             self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
 
         def read(batch: TransferBatch) -> None:
+            self._check_cancelled(pull)
             self._read_batch(peer.transport_session, batch)
             if self._options.verify_reads:
                 self._verify_batch(pull, peer, batch)
