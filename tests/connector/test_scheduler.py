@@ -253,6 +253,10 @@ def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
         (lambda p: p.update(remote_num_tokens=71), True),
         (lambda p: p.pop("remote_engine_id"), False),
         (lambda p: p.update(remote_host=""), False),
+        # issue #43 item 2: ZMQ refused these only in connect(), leaking a socket per attempt
+        (lambda p: p.update(remote_host="127.0.0.1 "), False),
+        (lambda p: p.update(remote_host="a b"), False),
+        (lambda p: p.update(remote_host="10.0.0.1\n"), False),
         (lambda p: p.update(remote_request_id="t" * (MAX_TRANSFER_ID_CHARS + 1)), False),
     ],
 )

@@ -16,6 +16,7 @@ import torch
 from test_wiring import BLOCK, BLOCKS, HEADS, LAYERS, _kv_cache, _who, config
 
 from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector
+from vllm_ascend_mooncake.connector.stats import TransferStats
 from vllm_ascend_mooncake.connector.wiring import (
     PrefillSettings,
     build_decode_side,
@@ -67,6 +68,7 @@ class Pair:
         worker.tp_rank, worker.transport = 0, transport
         worker.sender = worker.receiver = worker._decode = None
         worker._unregistered = None
+        worker.stats, worker._load_errors = TransferStats(), set()
         return worker
 
     @property
@@ -202,5 +204,45 @@ def test_decode_asleep_fails_pulls_at_once_and_pulls_again_after_wake_up() -> No
         awake = pair.pull("d-1", "t-1", (4,))
         assert awake["done"] == {"d-1"} and not awake["failed"]
         assert torch.equal(_blocks(pair.decode_cache, 0), _blocks(pair.prefill_cache, 4))
+    finally:
+        pair.close()
+
+
+def test_a_pull_interrupted_by_sleep_reports_its_blocks_as_load_errors() -> None:
+    """Issue #43 item 3: a pull still waiting for prefill's grant when decode went to sleep
+    ended as cancelled, which the worker reports as finished with no load errors (the kind is
+    meant for requests vLLM aborted): vLLM, which still wanted the request, then decoded from
+    blocks that never got a byte. Interrupted, it fails like a pull submitted while asleep."""
+    pair = Pair()
+    worker = pair.decode
+    try:
+        worker.receiver.submit(  # overlapped legs: prefill has not computed it yet
+            PullOrder(
+                request_id="d-1",
+                transfer_id="t-1",
+                local_block_ids=(0, 5),
+                remote_block_ids=None,
+                remote_host="127.0.0.1",
+                remote_port=pair.port,
+                remote_engine_id=pair.engine_id,
+                num_prompt_tokens=2 * BLOCK,
+            )
+        )
+        wait_until(lambda: worker.receiver._claims.num_waiting == 1, "the claim awaits a grant")
+        worker.unregister_kv_caches()
+        worker.restore_kv_caches()
+        recving: set[str] = set()
+        errors: set[int] = set()
+
+        def reported() -> bool:
+            worker.receiver.wait_for_news(0.05)
+            recving.update(worker.get_finished(False)[1])
+            errors.update(worker.get_block_ids_with_load_errors())
+            return "d-1" in recving
+
+        wait_until(reported, "the interrupted pull is reported")
+        assert errors == {0, 5}  # vLLM recomputes them instead of decoding from them
+        assert worker.stats.data["failed_pulls"] == [FailureKind.UNAVAILABLE_HERE.value]
+        assert bool((_blocks(pair.decode_cache, 0) == -1.0).all())  # nothing landed
     finally:
         pair.close()

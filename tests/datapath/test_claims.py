@@ -254,3 +254,89 @@ def test_a_tagged_request_gets_its_tag_back_and_an_untagged_one_none() -> None:
     finally:
         sock.close()
         server.close()
+
+
+def test_an_idle_socket_ready_in_the_round_whose_reply_closes_it_does_not_end_the_thread(
+    exchange, monkeypatch
+) -> None:
+    """Issue #43 item 1: a reply that ended a claim closed an idle socket (more than
+    MAX_IDLE_SOCKETS peers known) that was also ready in that poll round; reading it then raised
+    KeyError, the thread died, and every later claim of the worker waited for ever."""
+    monkeypatch.setattr(claims_module, "MAX_IDLE_SOCKETS", 2)
+    x, b, p = GrantWhenReady(), GrantWhenReady(), GrantWhenReady()
+    given_up, gate_entered, gate_open = threading.Event(), threading.Event(), threading.Event()
+    checks = [0]
+
+    def b_check() -> None:
+        if given_up.is_set():
+            raise KeyError("request b was aborted")
+
+    def p_check() -> None:  # its second call is the round's tick: hold the thread there
+        checks[0] += 1
+        if checks[0] == 2:
+            gate_entered.set()
+            gate_open.wait(30)
+
+    try:
+        claim(exchange, x.port, "keep", park_s=30.0, check=never_cancelled)  # X stays busy
+        abandoned = claim(exchange, b.port, "b", park_s=30.0, check=b_check)
+        wait_until(lambda: {"keep"} <= set(x.asked) and "b" in b.asked, "X and B are asked")
+        given_up.set()
+        with pytest.raises(KeyError):
+            abandoned.result(timeout=10)
+        x1 = claim(exchange, x.port, "x1", park_s=30.0, check=never_cancelled)
+        wait_until(lambda: "x1" in x.asked, "x1 reaches X")
+        claim(exchange, p.port, "p", park_s=30.0, check=p_check)  # a third socket: B is idle
+        assert gate_entered.wait(10)
+        # While the thread is held, X answers x1 and B answers b late (given up on): both of
+        # their sockets are ready in the next round, X's first.
+        x.ready("x1")
+        b.ready("b")
+        for peer in (x, b):
+            assert exchange._sockets[(HOST, peer.port)].poll(10_000, zmq.POLLIN)
+        gate_open.set()
+        assert x1.result(timeout=10).reply.status == "granted"
+        assert exchange._thread.is_alive()
+        p.ready("later")
+        later = claim(exchange, p.port, "later", check=never_cancelled)
+        assert later.result(timeout=10).reply.status == "granted"
+    finally:
+        gate_open.set()
+        for peer in (x, b, p):
+            peer.server.close()
+
+
+def test_should_the_claims_thread_fail_every_claim_fails_at_once_instead_of_hanging(
+    exchange,
+) -> None:
+    """Whatever ends the thread, a claim outstanding then or made later fails fast: nothing is
+    left to answer it, and a pull waiting on it would hold its request for ever."""
+    prefill = GrantWhenReady()
+    try:
+        waiting = claim(exchange, prefill.port, "waiting", park_s=30.0, check=never_cancelled)
+        wait_until(lambda: "waiting" in prefill.asked, "the claim waits on the peer")
+
+        def broken() -> int:
+            raise RuntimeError("a bug in the claims thread")
+
+        exchange._poll_timeout_ms = broken  # the thread's next round fails
+        with pytest.raises(SideChannelError, match=r"claims thread failed: .*a bug"):
+            waiting.result(timeout=10)
+        exchange._thread.join(10)
+        assert not exchange._thread.is_alive()
+        prefill.ready("later")
+        with pytest.raises(SideChannelError, match=r"claims thread failed: .*a bug"):
+            claim(exchange, prefill.port, "later", check=never_cancelled).result(timeout=0)
+    finally:
+        prefill.server.close()
+
+
+def test_a_claim_to_a_malformed_host_fails_at_once_and_keeps_no_socket(exchange) -> None:
+    """Issue #43 item 2: ZMQ refuses such a host only in connect(), after the socket was made;
+    the claim was then asked again like a silent peer's, a socket each time."""
+    message = ClaimRead("bad-host", 0, "incarnation", wait_s=1.0)
+    future = exchange.claim("127.0.0.1 ", 40000, message, time.monotonic() + 30, never_cancelled)
+    with pytest.raises(SideChannelError, match="neither an IP address nor a host name"):
+        future.result(timeout=10 * claims_module.TICK_S + 1)
+    assert exchange._sockets == {}
+    assert exchange._thread.is_alive()

@@ -144,7 +144,7 @@ def test_dead_peers_never_delay_a_healthy_peers_notice(client) -> None:
 
 def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(client) -> None:
     prefill = Prefill()
-    notifier = ReadDoneNotifier(client, attempts=3, backoff_s=0.05)
+    notifier = ReadDoneNotifier(client, attempts=3, backoff_s=0.05, idle_s=0.01)
     try:
         started = time.monotonic()
         for i in range(5):
@@ -162,11 +162,12 @@ def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(cli
 
 
 def test_lane_threads_leave_no_socket_open_behind_them(client) -> None:
-    """Each burst of notices to a peer runs on a new thread: a thread's sockets are closed when
-    it ends, or a long-running decode would fill the ZMQ context (1,023 sockets)."""
+    """Each burst of notices to a peer apart by more than idle_s runs on a new thread: a
+    thread's sockets are closed when it ends, or a long-running decode would fill the ZMQ context
+    (1,023 sockets)."""
     prefill = Prefill()
     prefill.start()
-    notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05)
+    notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05, idle_s=0.01)
     try:
         for i in range(30):  # 30 bursts, 30 threads
             notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
@@ -226,3 +227,57 @@ def test_shutdown_ends_a_silent_peers_retries(client) -> None:
     finally:
         notifier.shutdown()
         silent.close(linger=0)
+
+
+def test_notices_to_a_peer_reuse_one_thread_and_one_connection(client) -> None:
+    """Issue #43 item 4: a lane's thread ended whenever its lane ran dry, so under a steady
+    request rate every notice cost a thread start and a new TCP connection (814 of each for
+    1,000 notices 4 ms apart), each closed one left in TIME_WAIT for 60 s."""
+    prefill = Prefill()
+    prefill.start()
+    notifier = ReadDoneNotifier(client, idle_s=30.0)
+    threads: set[threading.Thread] = set()
+    sockets: set[zmq.Socket] = set()
+    request = client.request
+
+    def recorded(host, port, message):
+        threads.add(threading.current_thread())
+        reply = request(host, port, message)
+        sockets.update(client._all_sockets)
+        return reply
+
+    client.request = recorded
+    try:
+        for i in range(20):
+            notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
+            wait_until(lambda i=i: len(prefill.received) == i + 1, f"notice {i} is delivered")
+            time.sleep(0.02)  # the lane runs dry between notices
+        assert prefill.received == [f"r{i}" for i in range(20)]
+        assert len(threads) == 1 and len(sockets) == 1
+    finally:
+        notifier.shutdown()
+        prefill.close()
+
+
+def test_an_idle_lane_ends_and_closes_its_socket(client) -> None:
+    """A peer nobody reads from any more (rollouts) keeps no thread or socket: its lane ends
+    once idle for idle_s, and at once on shutdown."""
+    prefill = Prefill()
+    prefill.start()
+    idle = ReadDoneNotifier(client, idle_s=0.2)
+    waiting = ReadDoneNotifier(client, idle_s=60.0)
+    try:
+        for notifier in (idle, waiting):
+            notifier.send("127.0.0.1", prefill.port, 0, done("r1"))
+        wait_until(lambda: not idle._lanes, "the idle lane ends")
+        assert len(prefill.received) == 2
+        assert len(waiting._lanes) == 1  # still waiting for a next notice
+        started = time.monotonic()
+        waiting.shutdown()
+        wait_until(lambda: not waiting._lanes, "shutdown ends the waiting lane")
+        assert time.monotonic() - started < 5.0
+        wait_until(lambda: not client._all_sockets, "the lanes' threads closed their sockets")
+    finally:
+        idle.shutdown()
+        waiting.shutdown()
+        prefill.close()

@@ -101,6 +101,9 @@ def test_a_prefill_that_starts_later_is_waited_for(client) -> None:
     timer.start()
     try:
         paired = pair_with_prefills(directory(client), (Endpoint(HOST, port),), wait_s=30.0)
+        # A PrefillSender listens inside its constructor: pairing can end before the timer's
+        # extend() has published the senders, so they are looked at once the timer is done.
+        timer.join()
         assert started and [peer.metadata.engine_id for peer in paired] == ["prefill"]
     finally:
         timer.join()

@@ -17,6 +17,7 @@ import torch
 
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath import peers as peers_module
+from vllm_ascend_mooncake.datapath import side_channel
 from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError
 from vllm_ascend_mooncake.datapath.peers import PeerDirectory, PrefillPeer
 from vllm_ascend_mooncake.datapath.registration import regions_from_vllm_views
@@ -26,7 +27,12 @@ from vllm_ascend_mooncake.datapath.side_channel import (
     SideChannelClient,
     SideChannelError,
 )
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from vllm_ascend_mooncake.datapath.wire import (
+    GetMetadata,
+    ModelIdentity,
+    RegionInfo,
+    WorkerMetadata,
+)
 from vllm_ascend_mooncake.launch.ports import free_port_range
 
 HOST = "127.0.0.1"
@@ -223,5 +229,33 @@ def test_a_peer_found_down_is_not_asked_again_until_its_cooldown_ends(
         # one peer down costs the others nothing
         _, port = prefill
         assert peers.get(HOST, port).engine_id == "prefill"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1 ", "a b", "10.0.0.1\n", "-x", "_x", ""])
+def test_a_malformed_host_fails_at_once_with_its_reason_and_no_socket(host) -> None:
+    """Issue #43 item 2: ZMQ's connect() refused such a host only after the socket was made,
+    which then leaked (three a request, one per metadata attempt): ~347 requests exhausted the
+    ZMQ context's 1,023 sockets. Asking again cannot help either."""
+    client = CountingClient(timeout_s=10.0)
+    try:
+        with pytest.raises(SideChannelError, match="neither an IP address nor a host name"):
+            directory(client).get(host, 40000)
+        assert client.fetches <= 1  # not asked again
+        assert client._all_sockets == {}
+    finally:
+        client.close()
+
+
+def test_a_socket_whose_connect_fails_is_closed(monkeypatch) -> None:
+    """Whatever ZMQ refuses to connect to, the socket made for it is not kept."""
+    monkeypatch.setattr(side_channel, "check_address", lambda host, port: None)
+    client = SideChannelClient(timeout_s=1.0)
+    try:
+        with pytest.raises(SideChannelError, match="Invalid argument"):
+            client.request("a b", 40000, GetMetadata())
+        assert client._all_sockets == {}
+        assert client._local.sockets == {}
     finally:
         client.close()

@@ -42,6 +42,7 @@ from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.testing.kv_caches import KVCache
 from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 BLOCK_SIZE, HEAD_SIZE, LAYERS = 16, 8, 2
@@ -1047,3 +1048,48 @@ def test_bytes_corrupted_in_flight_fail_the_verified_pull(cluster, verify) -> No
         assert decode.done == {"r1"}
         with pytest.raises(AssertionError, match="is wrong"):
             decode.check_blocks(c.ref, local, remote)
+
+
+@pytest.mark.parametrize("stop", ["suspend", "cancel"])
+def test_a_read_queued_on_a_peers_lane_does_not_start_once_its_pull_is_stopped(
+    cluster, stop
+) -> None:
+    """Issue #43 item 6: reads queued on a peer's lane behind another pull's ran although sleep
+    mode (or vLLM's cancel) had stopped their pull; after a sleep they land in memory that the
+    worker unregistered once suspend returned. They must not start: the pull fails (asleep: its
+    blocks are load errors) or ends cancelled."""
+    c = cluster(4, prefill_tp=1, decode_tp=1)
+    (d,) = c.decode
+    started: list[float] = []
+    read = d.transport.read
+
+    def recorded(*args) -> None:
+        started.append(time.monotonic())
+        return read(*args)
+
+    d.transport.read = recorded
+    d.transport.delay_s = 0.5  # a's read is under way while b's waits behind it
+    c.pull("a", [1, 2], [3, 4])
+    wait_until(lambda: started, "a's read starts")
+    c.pull("b", [5, 6], [7, 8])
+    (lane,) = d.receiver._lanes.values()
+    wait_until(lambda: lane._items, "b's read waits on the peer's lane")
+    if stop == "suspend":
+        d.receiver.suspend("asleep", timeout_s=0.0)  # the worker unregisters its memory now
+    else:
+        d.receiver.cancel("b")
+    stopped_at = time.monotonic()
+    d.wait(["a", "b"], timeout_s=10)
+    assert all(t < stopped_at for t in started), "a read started after its pull was stopped"
+    failure = d.failed["b"]
+    if stop == "suspend":
+        assert failure.kind is FailureKind.UNAVAILABLE_HERE and failure.local_block_ids == (5, 6)
+    else:
+        assert failure.cancelled
+    for index in range(len(d.cache.regions)):
+        for block in (5, 6):
+            start = d.cache.offset(index, block)
+            length = d.cache.regions[index].layout.block_len
+            assert np.array_equal(
+                d.cache.bytes[start : start + length], d.snapshot[start : start + length]
+            )

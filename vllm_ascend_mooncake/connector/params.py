@@ -29,6 +29,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..core.topology import Topologies, TopologyError
+from ..datapath.side_channel import address_problem
 from ..datapath.wire import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
 from ..datapath.wire import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
 
@@ -131,6 +132,10 @@ def parse_remote_prefill(
         raise InvalidTransferParams(
             "remote_host, remote_engine_id and remote_request_id are required"
         )
+    # Before any socket exists: ZMQ refuses such a host only in connect(), on every attempt.
+    problem = address_problem(parsed.remote_host, parsed.remote_port)
+    if problem is not None:
+        raise InvalidTransferParams(f"remote_host/remote_port name no side channel: {problem}")
     try:
         topologies.with_remote_tp(parsed.remote_tp_size)
     except TopologyError as exc:
@@ -202,6 +207,6 @@ def release_target(params: dict[str, Any]) -> ReleaseTarget | None:
         target = msgspec.convert(fields, ReleaseTarget, strict=True)
     except msgspec.ValidationError:
         return None
-    if not (0 < target.remote_port < 65536 and target.remote_host and target.remote_request_id):
+    if not target.remote_request_id or address_problem(target.remote_host, target.remote_port):
         return None
     return target

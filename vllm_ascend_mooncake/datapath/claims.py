@@ -16,6 +16,11 @@ long poll.
 The caller gets a :class:`~concurrent.futures.Future` of the last answer (granted, refused, or
 still pending at the deadline) and decides what it means; callbacks run on this thread, so they
 must hand any slow work to a pool.
+
+Every claim of the worker waits on this one thread, so nothing about one claim may end it: a
+failure handling one reply or one claim ends that claim only, and idle sockets are closed between
+poll rounds, never under a round that may still list them. Should the thread fail all the same,
+the exchange closes: every claim outstanding or made later fails at once instead of hanging.
 """
 
 from __future__ import annotations
@@ -34,13 +39,15 @@ import zmq
 
 from ..log import get_logger
 from .side_channel import (
+    BadAddress,
     PeerSilent,
     SideChannelClient,
     SideChannelError,
+    check_address,
+    connect_dealer,
     refusal_checked,
-    zmq_address,
 )
-from .wire import MAX_MESSAGE_BYTES, ClaimRead, ClaimReply, Message
+from .wire import ClaimRead, ClaimReply, Message
 
 logger = get_logger(__name__)
 
@@ -105,6 +112,7 @@ class ClaimExchange:
         self._wake_out.connect(wake_address)
         self._wake_lock = threading.Lock()
         self._closed = False
+        self._why_closed = "the decode worker is shutting down"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -124,11 +132,11 @@ class ClaimExchange:
         """Ask ``host:port`` for ``message``'s lease until it answers other than "pending" or
         ``deadline`` (``time.monotonic``) passes; ``check`` raising ends the claim with its
         exception. The future fails with :class:`SideChannelError` when the peer stays silent
-        or refuses the message itself."""
+        or refuses the message itself, and at once once the exchange is closed."""
         claim = _Claim((host, port), message, deadline, check, Future(), self._first_poll_s)
         with self._wake_lock:
             if self._closed:
-                claim.future.set_exception(SideChannelError("the decode worker is shutting down"))
+                claim.future.set_exception(SideChannelError(self._why_closed))
                 return claim.future
             self._new.put(claim)
             with contextlib.suppress(zmq.Again):  # a full queue: the thread's next tick sees it
@@ -160,11 +168,22 @@ class ClaimExchange:
                 if self._closed:
                     break
                 while not self._new.empty():
-                    self._start(self._new.get())
+                    claim = self._new.get()
+                    self._guarded(claim, self._start, claim)
                 self._tick(time.monotonic())
-        except Exception:  # never leave a waiter hanging: fail what is left
-            logger.exception("the claims thread failed")
+                # Only between rounds: a socket closed within one could still be in its list.
+                self._close_idle_sockets()
+        except Exception as exc:  # a bug: claims must fail fast from now on, never hang
+            logger.exception("the claims thread failed; every read claim of this worker fails")
+            with self._wake_lock:
+                if not self._closed:
+                    self._why_closed = f"the decode worker's claims thread failed: {exc!r}"
         finally:
+            with self._wake_lock:  # once closed, claim() fails at once instead of queueing
+                if not self._closed:
+                    self._closed = True
+                    self._wake_out.close()
+            ending = SideChannelError(self._why_closed)
             while not self._new.empty():
                 self._claims.add(self._new.get())
             for claim in list(self._claims):
@@ -173,10 +192,19 @@ class ClaimExchange:
                 except Exception as exc:
                     self._end(claim, error=exc)
                 else:
-                    self._end(claim, error=SideChannelError("the decode worker is shutting down"))
+                    self._end(claim, error=ending)
             for sock in self._sockets.values():
                 sock.close()
             self._wake_in.close()
+
+    def _guarded(self, claim: _Claim, step: Callable[..., None], *args) -> None:
+        """Run one claim's ``step``: an unexpected failure ends that claim, not the thread
+        every other claim of this worker waits on."""
+        try:
+            step(*args)
+        except Exception as exc:
+            logger.exception("claim of %s to %s:%d failed", claim.message.request_id, *claim.peer)
+            self._end(claim, error=SideChannelError(f"the claim failed: {exc!r}"))
 
     def _poll_timeout_ms(self) -> int:
         soonest = time.monotonic() + TICK_S
@@ -203,71 +231,84 @@ class ClaimExchange:
             self._socket(claim.peer).send_multipart(
                 self._client.request_frames(claim.message, claim.tag), zmq.NOBLOCK
             )
+        except BadAddress as exc:  # asking again would not help
+            self._end(claim, error=exc)
+            return
         except zmq.ZMQError as exc:  # out of sockets or a full queue: retried like silence
             logger.warning("claim to %s:%d not sent: %s", *claim.peer, exc)
             claim.expires_at = now
         self._by_tag[claim.tag] = claim
 
     def _receive(self, sock: zmq.Socket) -> None:
-        host, port = self._peer_of[sock]
+        peer = self._peer_of.get(sock)
+        if peer is None:  # closed since the poll (never expected: closing waits for the round)
+            return
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             claim = self._by_tag.get(frames[0]) if frames else None
-            if claim is None or claim.peer != (host, port):
+            if claim is None or claim.peer != peer:
                 continue  # the answer to an exchange given up on: its claim asked again
-            try:
-                reply = refusal_checked(
-                    self._client.read_reply(frames[1:], host, port), claim.message, host, port
-                )
-            except SideChannelError as exc:
-                self._end(claim, error=exc)
-                continue
-            now = time.monotonic()
-            pending = isinstance(reply, ClaimReply) and reply.status == "pending"
-            if not pending or now > claim.deadline:
-                self._end(claim, answer=ClaimAnswer(reply, claim.sent_at))
-                continue
-            self._by_tag.pop(claim.tag, None)
-            claim.unanswered = 0
-            if now - claim.sent_at < claim.poll_s:  # answered at once, not held: do not hammer
-                claim.ask_at = now + claim.poll_s
-                claim.poll_s = min(claim.poll_s * 1.5, self._longest_poll_s)
-            else:
-                claim.ask_at = now
+            self._guarded(claim, self._answered, claim, frames[1:])
+
+    def _answered(self, claim: _Claim, frames: list[bytes]) -> None:
+        """The reply to ``claim``'s outstanding exchange: end it, or ask again while pending."""
+        host, port = claim.peer
+        try:
+            reply = refusal_checked(
+                self._client.read_reply(frames, host, port), claim.message, host, port
+            )
+        except SideChannelError as exc:
+            self._end(claim, error=exc)
+            return
+        now = time.monotonic()
+        pending = isinstance(reply, ClaimReply) and reply.status == "pending"
+        if not pending or now > claim.deadline:
+            self._end(claim, answer=ClaimAnswer(reply, claim.sent_at))
+            return
+        self._by_tag.pop(claim.tag, None)
+        claim.unanswered = 0
+        if now - claim.sent_at < claim.poll_s:  # answered at once, not held: do not hammer
+            claim.ask_at = now + claim.poll_s
+            claim.poll_s = min(claim.poll_s * 1.5, self._longest_poll_s)
+        else:
+            claim.ask_at = now
 
     def _tick(self, now: float) -> None:
         for claim in list(self._claims):
-            if claim.ask_at is not None:
-                if now >= claim.ask_at:
-                    self._ask(claim, now)
-                continue
-            try:
-                claim.check()
-            except Exception as exc:
-                self._end(claim, error=exc)
-                continue
-            if now < claim.expires_at:
-                continue
-            claim.unanswered += 1
-            if claim.unanswered >= self._attempts:
-                self._end(
-                    claim,
-                    error=PeerSilent(
-                        f"no answer from {claim.peer[0]}:{claim.peer[1]} to {claim.unanswered} "
-                        f"read claim(s) of {claim.message.request_id} within "
-                        f"{self._client.timeout_s:.0f} s each"
-                    ),
-                )
-            else:
-                logger.warning(
-                    "claim of %s: no answer from %s:%d; asking again",
-                    claim.message.request_id,
-                    *claim.peer,
-                )
+            self._guarded(claim, self._tick_one, claim, now)
+
+    def _tick_one(self, claim: _Claim, now: float) -> None:
+        if claim.ask_at is not None:
+            if now >= claim.ask_at:
                 self._ask(claim, now)
+            return
+        try:
+            claim.check()
+        except Exception as exc:
+            self._end(claim, error=exc)
+            return
+        if now < claim.expires_at:
+            return
+        claim.unanswered += 1
+        if claim.unanswered >= self._attempts:
+            self._end(
+                claim,
+                error=PeerSilent(
+                    f"no answer from {claim.peer[0]}:{claim.peer[1]} to {claim.unanswered} "
+                    f"read claim(s) of {claim.message.request_id} within "
+                    f"{self._client.timeout_s:.0f} s each"
+                ),
+            )
+        else:
+            logger.warning(
+                "claim of %s: no answer from %s:%d; asking again",
+                claim.message.request_id,
+                *claim.peer,
+            )
+            self._ask(claim, now)
 
     def _end(
         self,
@@ -284,20 +325,19 @@ class ClaimExchange:
             claim.future.set_result(answer)
         else:
             claim.future.set_exception(error or SideChannelError("claim ended without answer"))
-        self._close_idle_sockets()
 
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
         sock = self._sockets.get(peer)
         if sock is not None:
             self._sockets.move_to_end(peer)
             return sock
-        host, port = peer
+        check_address(*peer)
         sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if ":" in host:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(zmq_address(host, port))
+        try:
+            connect_dealer(sock, *peer)
+        except zmq.ZMQError:  # closed, or every such claim would leak a socket
+            sock.close()
+            raise
         self._sockets[peer] = sock
         self._peer_of[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
@@ -305,7 +345,8 @@ class ClaimExchange:
 
     def _close_idle_sockets(self) -> None:
         """Close the least recently used sockets beyond :data:`MAX_IDLE_SOCKETS` that no claim
-        waits on: prefill workers come and go (rollouts), the ZMQ context's sockets do not."""
+        waits on: prefill workers come and go (rollouts), the ZMQ context's sockets do not. Run
+        between poll rounds only: a socket closed within one may still be in its ready list."""
         if len(self._sockets) <= MAX_IDLE_SOCKETS:
             return
         busy = {claim.peer for claim in self._claims}

@@ -27,7 +27,14 @@ from ..core.topology import Topologies, TopologyError, TransferTopology
 from ..defaults import PEER_COOLDOWN_S
 from ..log import get_logger
 from .compat import IncompatiblePeerError, check_peer
-from .side_channel import PeerRefused, PeerSilent, SideChannelClient, SideChannelError
+from .side_channel import (
+    BadAddress,
+    PeerRefused,
+    PeerSilent,
+    SideChannelClient,
+    SideChannelError,
+    check_address,
+)
 from .wire import WorkerMetadata
 
 logger = get_logger(__name__)
@@ -101,6 +108,7 @@ class PeerDirectory:
             cached = self._cache.get(key)
         if cached is not None and _matches(cached.metadata, engine_id, incarnation):
             return cached
+        check_address(host, port)  # a malformed address is not asked (nor retried) at all
         self._fail_if_down(key)
         if cached is None:
             self._probe(key)
@@ -178,7 +186,7 @@ class PeerDirectory:
         for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
             try:
                 return self._client.fetch_metadata(host, port)
-            except PeerRefused:
+            except (PeerRefused, BadAddress):
                 raise
             except SideChannelError as exc:
                 if attempt == len(FETCH_BACKOFF_S) - 1:

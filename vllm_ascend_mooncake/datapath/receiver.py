@@ -226,6 +226,9 @@ class Receiver:
         self._failed: dict[str, PullFailure] = {}
         self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
         self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
+        #: ... of those, the ones vLLM still wants that sleep mode cut short, and why: a failure
+        #: (their blocks are load errors), not a cancel (vLLM would use the blocks unloaded)
+        self._interrupted: dict[str, str] = {}
         self._stats: list[PullStats] = []
         # (transfer id, prefill host, port) -> pulls on this worker that looked the peer up for
         # it and have not sent their read-done notice: only the last one sends it, so a second
@@ -255,12 +258,14 @@ class Receiver:
 
     def suspend(self, reason: str, timeout_s: float) -> None:
         """Before vLLM's sleep mode discards the KV cache: fail new pulls with ``reason``, make
-        pulls still waiting for a grant give up, and wait up to ``timeout_s`` for reads under
-        way to settle (they write into the memory about to be unregistered)."""
+        pulls still waiting for a grant give up and reads still queued on a lane never start
+        (each fails with ``reason``, its blocks load errors), and wait up to ``timeout_s`` for
+        reads under way to settle (they write into the memory about to be unregistered)."""
         deadline = time.monotonic() + timeout_s
         with self._news:
             self._suspended = reason
-            self._cancelled |= self._in_flight
+            for request_id in self._in_flight:
+                self._interrupted.setdefault(request_id, reason)
             while self._waited_for and (left := deadline - time.monotonic()) > 0:
                 self._news.wait(left)
             if self._waited_for:
@@ -276,18 +281,27 @@ class Receiver:
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's
-        grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`). Reads
-        already under way run to the end: a Mooncake read cannot be cancelled, and vLLM keeps
-        the blocks until it is told."""
+        grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`), reads still
+        queued on a peer's lane do not start. Reads already under way run to the end: a
+        Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
         with self._lock:
             if request_id in self._in_flight:
                 self._cancelled.add(request_id)
 
     def _check_cancelled(self, pull: PullOrder) -> None:
+        """Raise while ``pull`` is no longer to go on: :class:`PullCancelled` once vLLM finished
+        the request, a failure of its own once sleep mode interrupted it (vLLM still waits for
+        its blocks, which must then be reported as load errors, never as loaded)."""
         with self._lock:
             cancelled = pull.request_id in self._cancelled
+            interrupted = self._interrupted.get(pull.request_id)
         if cancelled:
-            raise PullCancelled(f"request {pull.request_id} finished before prefill granted it")
+            raise PullCancelled(f"request {pull.request_id} finished before its KV was read")
+        if interrupted is not None:
+            raise PullError(
+                FailureKind.UNAVAILABLE_HERE,
+                f"{interrupted} (the pull of request {pull.request_id} was interrupted)",
+            )
 
     def wait_for_news(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
@@ -527,21 +541,7 @@ class Receiver:
                     self._open_circuits.pop(peer.transport_session, None)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = as_pull_error(exc)
-                if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
-                    with self._lock:
-                        self._open_circuits[peer.transport_session] = (
-                            time.monotonic() + self._options.peer_cooldown_s
-                        )
-                    state.quarantined = True
-                self._peers.invalidate(peer.host, peer.port)
-                logger.warning(
-                    "request %s: read from prefill rank %d (%s) failed (%s): %s",
-                    state.pull.request_id,
-                    peer.rank,
-                    peer.transport_session,
-                    failure.kind.value,
-                    exc,
-                )
+                self._read_failed(state, peer, failure, exc)
         reason = failure or state.failure
         self._notify(peer, state.pull.transfer_id, None if reason is None else str(reason))
         with state.lock:
@@ -552,6 +552,34 @@ class Receiver:
         if last:
             state.timeline.landed = time.monotonic()
             self._complete(state)
+
+    def _read_failed(
+        self, state: _InFlight, peer: LeasedPeer, failure: PullError, exc: Exception
+    ) -> None:
+        if failure.kind in (FailureKind.CANCELLED, FailureKind.UNAVAILABLE_HERE):
+            # cancelled or asleep before this read started: nothing wrong with the peer
+            logger.info(
+                "request %s: no read from prefill rank %d: %s",
+                state.pull.request_id,
+                peer.rank,
+                exc,
+            )
+            return
+        if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
+            with self._lock:
+                self._open_circuits[peer.transport_session] = (
+                    time.monotonic() + self._options.peer_cooldown_s
+                )
+            state.quarantined = True
+        self._peers.invalidate(peer.host, peer.port)
+        logger.warning(
+            "request %s: read from prefill rank %d (%s) failed (%s): %s",
+            state.pull.request_id,
+            peer.rank,
+            peer.transport_session,
+            failure.kind.value,
+            exc,
+        )
 
     def _check_circuit(self, session: str) -> None:
         """Fail at once while ``session``'s circuit is open (a read from it never settled)."""
@@ -566,12 +594,16 @@ class Receiver:
             )
 
     def _read_leased(self, pull: PullOrder, peer: LeasedPeer, peer_plan: PeerPlan) -> None:
-        """Read every batch under a valid lease; bytes that may postdate the lease are refused."""
+        """Read every batch under a valid lease; bytes that may postdate the lease are refused.
+        A pull cancelled or cut short by sleep mode while its reads waited in the peer's lane
+        reads no further batch: sleep unregisters the memory they would land in."""
+        self._check_cancelled(pull)
         self._check_circuit(peer.transport_session)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
             self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
 
         def read(batch: TransferBatch) -> None:
+            self._check_cancelled(pull)
             self._read_batch(peer.transport_session, batch)
             if self._options.verify_reads:
                 self._verify_batch(pull, peer, batch)
@@ -633,6 +665,7 @@ class Receiver:
                 self._waited_for -= 1  # nothing to wait for: it is never reported
                 self._in_flight.discard(state.pull.request_id)
                 self._cancelled.discard(state.pull.request_id)
+                self._interrupted.pop(state.pull.request_id, None)
             return
         fixup_started = time.perf_counter()
         try:
@@ -679,6 +712,7 @@ class Receiver:
                 )
             self._in_flight.discard(pull.request_id)
             self._cancelled.discard(pull.request_id)
+            self._interrupted.pop(pull.request_id, None)
             self._waited_for -= 1
             self._news.notify_all()
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +60,10 @@ class PeerSilent(SideChannelError):
     """No reply within the timeout: the peer is frozen, overloaded, gone or unreachable."""
 
 
+class BadAddress(SideChannelError):
+    """The peer's address is not one to connect to at all: asking again will not help."""
+
+
 class FrameSigner:
     """HMAC-SHA256 of each side-channel message under a secret both sides share."""
 
@@ -84,6 +90,47 @@ class FrameSigner:
 
 def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+#: A DNS host name: dot-separated labels of letters, digits, ``-`` and ``_`` (container host
+#: names have them), each starting with a letter or digit (ZMQ refuses others) and not ending
+#: with ``-``, with an optional final dot.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def address_problem(host: str, port: int) -> str | None:
+    """What makes ``host:port`` no side-channel address (None: nothing): the host must be an
+    IP address or a DNS host name, the port a TCP port. A peer's address arrives in a request's
+    ``kv_transfer_params``: checked here, a malformed one (``"10.0.0.1 "``, ``"a b"``) fails
+    before any socket exists, instead of in ZMQ's ``connect`` after one was made."""
+    if not 0 < port < 65536:
+        return f"port {port} is not a TCP port"
+    if 0 < len(host) <= 253:
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(host)
+            return None
+        if _HOST_NAME.fullmatch(host):
+            return None
+    return f"host {host[:64]!r} is neither an IP address nor a host name"
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise :class:`BadAddress` when :func:`address_problem` finds one."""
+    problem = address_problem(host, port)
+    if problem is not None:
+        raise BadAddress(f"no side channel at {host[:64]!r}:{port}: {problem}")
+
+
+def connect_dealer(sock: zmq.Socket, host: str, port: int) -> None:
+    """Set a new DEALER socket up and connect it to ``host:port``'s side channel. A
+    ``zmq.ZMQError`` leaves the socket to the caller to close: it counts against the ZMQ
+    context's 1,023 until then."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(zmq_address(host, port))
 
 
 @dataclass(frozen=True)
@@ -299,7 +346,9 @@ class SideChannelClient:
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
         """This thread's socket to ``peer``; the least recently used one is closed past
         :data:`MAX_PEER_SOCKETS_PER_THREAD`, so peers that went away (rollouts) cannot exhaust
-        the ZMQ context's sockets (1,023)."""
+        the ZMQ context's sockets (1,023). Raises :class:`BadAddress` for an address that is
+        none (no socket is made) and ``zmq.ZMQError`` when ``connect`` fails (its socket
+        closed)."""
         sockets: OrderedDict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault(
             "sockets", OrderedDict()
         )
@@ -307,19 +356,20 @@ class SideChannelClient:
         if sock is not None:
             sockets.move_to_end(peer)
             return sock
+        host, port = peer
+        check_address(host, port)
         while len(sockets) >= MAX_PEER_SOCKETS_PER_THREAD:
             self._drop(*sockets.popitem(last=False))
-        host, port = peer
         with self._guard:
             if self._closed:
                 raise SideChannelError(f"no exchange with {host}:{port}: the client is closed")
             sock = self._context.socket(zmq.DEALER)
             self._all_sockets[sock] = threading.current_thread()
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if ":" in host:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(zmq_address(host, port))
+        try:
+            connect_dealer(sock, host, port)
+        except zmq.ZMQError:  # an address ZMQ cannot use after all (a host name unresolved)
+            self._drop(peer, sock)
+            raise
         sockets[peer] = sock
         return sock
 
@@ -331,7 +381,8 @@ class SideChannelClient:
         sock.close()
 
     def request(self, host: str, port: int, message: Message) -> Message:
-        """Send ``message`` and return the reply; raises :class:`SideChannelError`."""
+        """Send ``message`` and return the reply; raises :class:`SideChannelError`
+        (:class:`BadAddress` when ``host:port`` is no address)."""
         peer = (host, port)
         try:
             sock = self._socket(peer)
