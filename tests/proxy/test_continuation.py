@@ -10,6 +10,8 @@ finish reason and usage, streamed and not, completions and chat.
 from __future__ import annotations
 
 import json
+import logging
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -409,3 +411,35 @@ def test_a_client_leaving_mid_stream_frees_the_decode(
             lambda: observer.get("/ready").json()["decode"][0]["in_flight"] == 0,
             "the proxy stops counting the abandoned decode stream",
         )
+
+
+def test_a_client_leaving_while_prefill_streams_its_first_token_frees_the_prefill(
+    engines: Engines, proxy: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The streamed prefill leg (issue #43): a hang-up while prefill computes used to leave
+    the prefill counted busy for good (+1 in flight per hang-up)."""
+    teach_prefill_address(engines, proxy, CHAT)
+    engines.prefill.stream_gate.clear()  # the role chunk comes, the token does not
+    payload = json.dumps(body_for(CHAT, stream=True)).encode()
+    host, port = proxy.base_url.host, proxy.base_url.port
+    with caplog.at_level(logging.INFO, logger="vllm_ascend_mooncake.proxy.app"):
+        with socket.create_connection((host, port)) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(payload), payload)
+            )
+            wait_until(
+                lambda: engines.prefill.generation_requests(), "the streamed prefill leg arrives"
+            )
+        wait_until(
+            lambda: "the client left before its answer" in caplog.text,
+            "the proxy sees the client leave while prefill computes",
+        )
+    engines.prefill.stream_gate.set()
+    wait_until(
+        lambda: proxy.get("/ready").json()["prefill"][0]["in_flight"] == 0,
+        "the proxy stops counting the abandoned prefill leg",
+        timeout_s=10,
+    )
+    assert engines.decode.generation_requests() == []
