@@ -443,3 +443,28 @@ def test_a_client_leaving_while_prefill_streams_its_first_token_frees_the_prefil
         timeout_s=10,
     )
     assert engines.decode.generation_requests() == []
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_flags_are_read_as_vllm_reads_them(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    """vLLM takes "true", 1, "yes" ... as true and "false", 0, "no" ... as false (pydantic's
+    lax bool); so does the proxy, for stream, return_token_ids and include_usage alike."""
+    spellings = ["true", 1, "Yes"] if streamed else ["false", 0, "no"]
+    for spelling in spellings:
+        body = body_for(
+            path,
+            stream=spelling,
+            return_token_ids="false",
+            stream_options={"include_usage": "1"} if streamed else None,
+        )
+        want = {**body, "stream": streamed, "return_token_ids": False}
+        if streamed:
+            want["stream_options"] = {"include_usage": True}
+        for _ in range(2):  # a whole prefill leg, then a streamed one
+            got = proxy.post(path, json=body)
+            same_answer(path, got, colocated(engines, path, want), streamed)
+        if streamed:
+            assert events(got)[-2]["usage"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..connector.params import HOLD_IF_STOPPED_KEY, TRANSFER_ID_KEY
+from .flags import is_false, is_flag
 from .payloads import PREFILL_KV_TRANSFER_PARAMS, kv_transfer_params_from_prefill
 
 COMPLETIONS = "/v1/completions"
@@ -41,10 +42,6 @@ FIRST_TOKEN_SOURCES = (FROM_PREFILL, FROM_DECODE)
 
 def _absent_or(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or allowed(value)
-
-
-def _is_false(value: Any) -> bool:
-    return value is False
 
 
 def _is_zero(value: Any) -> bool:
@@ -107,13 +104,13 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": _any,
     "spaces_between_special_tokens": _any,
     "logprobs": _any,
-    "stream": _any,
+    "stream": _absent_or(is_flag),  # one vLLM refuses gets its 400 from decode's leg
     "stream_options": _any,
     "user": _any,
     "cache_salt": _any,
     "priority": _any,
     "request_id": _any,
-    "return_token_ids": _any,
+    "return_token_ids": _absent_or(is_flag),
     "return_tokens_as_token_ids": _any,
     "truncate_prompt_tokens": _any,  # prefill truncates; decode gets the ids it kept
     "add_special_tokens": _any,
@@ -121,8 +118,8 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
     "stop": _absent_or(_single_characters),
     "n": _absent_or(lambda n: n == 1),
     "best_of": _absent_or(lambda n: n == 1),
-    "use_beam_search": _absent_or(_is_false),
-    "echo": _absent_or(_is_false),
+    "use_beam_search": _absent_or(is_false),
+    "echo": _absent_or(is_false),
     "prompt_logprobs": lambda value: value is None,
     # counted over generated tokens only: decode would count the continued token as prompt
     "frequency_penalty": _absent_or(_is_zero),

@@ -23,6 +23,7 @@ from .balancer import Upstream
 from .client_request import ClientRequest
 from .continuation import FirstToken
 from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
+from .flags import is_true
 from .legs import Legs
 from .payloads import (
     InvalidPrefillResponse,
@@ -185,7 +186,7 @@ class ContinuedLegs:
             return await self.legs.decode_after(prefill_upstream, params, request)
         assert first is not None
         splice = Splice(first, request.body)
-        streamed = request.body.get("stream") is True
+        streamed = is_true(request.body.get("stream"))
         if ends_answer:
             request.trace.mark("first_chunk")
             request.trace.emit()
