@@ -23,7 +23,12 @@ from fake_vllm import PARTIAL_CHARACTER_TOKENS, FakeVllm, TinyEngine
 from loopback_server import serve_on_loopback
 
 from vllm_ascend_mooncake.proxy import create_app
-from vllm_ascend_mooncake.proxy.continuation import FIRST_TOKEN_HEADER, blocker
+from vllm_ascend_mooncake.proxy.continuation import (
+    FIRST_TOKEN_HEADER,
+    OTHER_REASON,
+    REASON_LABELS,
+    blocker,
+)
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
@@ -281,7 +286,7 @@ BLOCKED = {
     "frequency penalty": ({"frequency_penalty": 0.5}, "frequency_penalty"),
     "echo": ({"echo": True}, "echo"),
     "structured output": ({"response_format": {"type": "json_object"}}, "response_format"),
-    "unknown": ({"vllm_xargs": {"a": 1}}, "parameter vllm_xargs"),
+    "unknown": ({"vllm_xargs": {"a": 1}}, "other"),
 }
 
 
@@ -411,6 +416,28 @@ def test_a_client_leaving_mid_stream_frees_the_decode(
             lambda: observer.get("/ready").json()["decode"][0]["in_flight"] == 0,
             "the proxy stops counting the abandoned decode stream",
         )
+
+
+def test_client_chosen_names_never_become_metric_labels(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    """Unknown parameters and header values are the client's to pick: each as a label would be
+    a series kept for the proxy's life (issue #43: 300 requests, 301 series, +160 MiB)."""
+    for index in range(3):
+        body = {**body_for(COMPLETIONS), f"unknown_{index}_" + "x" * 1000: 1}
+        assert proxy.post(COMPLETIONS, json=body).status_code == 200
+    header = {FIRST_TOKEN_HEADER: "y" * 1000}
+    assert proxy.post(COMPLETIONS, json=body_for(COMPLETIONS), headers=header).is_success
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (family,) = [
+        family
+        for family in text_string_to_metric_families(proxy.get("/metrics").text)
+        if family.name == "vam_proxy_decode_first_tokens"
+    ]
+    counts = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert counts == {OTHER_REASON: 4.0}
+    assert set(counts) <= REASON_LABELS | {OTHER_REASON}
 
 
 def test_a_client_leaving_while_prefill_streams_its_first_token_frees_the_prefill(

@@ -147,6 +147,31 @@ _ALLOWED: dict[str, dict[str, Callable[[Any], bool]]] = {
 }
 
 
+#: Why decode samples a request's first token again, beyond the names of the parameters above:
+#: the labels ``vam_proxy_decode_first_tokens_total{reason}`` may carry.
+_OTHER_REASONS = (
+    "asked",  # --first-token decode, or X-First-Token-From: decode
+    "path",
+    "no prompt",
+    "no max_tokens",
+    "no token ids from prefill",
+    "chat on vLLM before 0.30",
+    "partial character",
+)
+REASON_LABELS = frozenset(
+    {*_OTHER_REASONS, *(key for allowed in _ALLOWED.values() for key in allowed)}
+)
+#: The label of every other reason: an unknown parameter or header value, which the client
+#: names (a label per name would grow the proxy's series, and its memory, without bound).
+OTHER_REASON = "other"
+
+
+def reason_label(reason: str) -> str:
+    """The metric label of a reason :func:`blocker` (or the routing) gave: the reason itself
+    when it is one of :data:`REASON_LABELS`, else :data:`OTHER_REASON`."""
+    return reason if reason in REASON_LABELS else OTHER_REASON
+
+
 def token_limit(body: Mapping[str, Any]) -> int | None:
     """The answer's token limit the client set (chat's ``max_completion_tokens`` first, as vLLM
     reads it), or None."""

@@ -181,7 +181,7 @@ class ContinuedLegs:
             reason = "partial character"  # decode's prompt would end in one (.token_texts)
         if reason is not None:
             # Decode samples the first token again from the KV prefill holds.
-            self.legs.metrics.decode_first_tokens.labels(reason).inc()
+            self.legs.decode_samples_first_token(reason, request.request_id)
             request.trace.mode = "serial"
             return await self.legs.decode_after(prefill_upstream, params, request)
         assert first is not None

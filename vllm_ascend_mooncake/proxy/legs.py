@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .balancer import Balancer, Upstream
 from .client_request import ClientRequest
+from .continuation import reason_label
 from .errors import NO_ANSWER_FAILURES, error_response
 from .holds import HoldKeeper
 from .metrics import ProxyMetrics
@@ -271,6 +272,17 @@ class Legs:
         return await self.upstreams.relay(
             self.decode, decode_upstream, decode_response, request.request_id, request.trace
         )
+
+    def decode_samples_first_token(self, reason: str, request_id: str) -> None:
+        """Count a request whose first token decode samples again, under a label of a fixed
+        set (:func:`.continuation.reason_label`); the reason itself, which may name what the
+        client sent, goes to the log only."""
+        label = reason_label(reason)
+        self.metrics.decode_first_tokens.labels(label).inc()
+        if label != reason:
+            logger.debug(
+                "request %s: decode samples the first token again: %.200s", request_id, reason
+            )
 
     def keep_hold(self, kv_transfer_params: dict[str, Any] | None) -> asyncio.Task | None:
         """Renew prefill's hold on the transfer while the decode leg may wait in decode's
