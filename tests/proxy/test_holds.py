@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
+import httpx
 import pytest
+from fake_vllm import FakeVllm
+from loopback_server import serve_on_loopback
 
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
@@ -17,6 +20,7 @@ from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.proxy import holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 RELEASE_TIMEOUT_S = 1.0
@@ -177,3 +181,22 @@ def test_a_late_reply_is_asked_again_within_the_lease(slow_prefill) -> None:
     asyncio.run(scenario())
     assert len(calls) > 3
     assert tracker.take_finished() == set() and tracker.take_expired_count() == 0
+
+
+def test_a_client_that_leaves_before_decode_read_frees_prefills_hold(start_proxy) -> None:
+    """Issue #43: a client that hung up after prefill answered left prefill's blocks held until
+    its release timeout, since the aborted decode request never claims. The proxy tells prefill
+    (``DropHold``) to free a hold nobody leased."""
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
+        decode.answer_gate.clear()  # the decode request waits in decode's queue
+        stack.callback(decode.answer_gate.set)
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], overlap_legs=False)
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            proxy.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        assert decode.generation_requests()  # decode had the request, and never read it
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {"t"} and tracker.take_expired_count() == 0

@@ -42,7 +42,7 @@ from ..datapath.side_channel import (
     refusal_checked,
     zmq_address,
 )
-from ..datapath.wire import ClaimReply, KeepHold, Message
+from ..datapath.wire import ClaimReply, DropHold, KeepHold, Message
 from .payloads import prefill_address
 
 logger = logging.getLogger(__name__)
@@ -145,8 +145,12 @@ class HoldKeeper:
         self._context = zmq.asyncio.Context(zmq.Context.instance())
         self._channels: dict[Peer, _PeerChannel] = {}
         self._tasks: set[asyncio.Task] = set()
+        #: each renewal task's transfer and workers, to free the hold if its request is abandoned
+        self._kept: dict[asyncio.Task, tuple[str, list[Peer]]] = {}
         #: renewals prefill answered "held" (for the metrics and the tests)
         self.renewals = 0
+        #: holds prefill was asked to free because their request was abandoned, and answered
+        self.drops = 0
 
     def keep(self, kv_transfer_params: dict[str, Any] | None) -> asyncio.Task | None:
         """Start renewing the transfer ``kv_transfer_params`` (a prefill's answer) names, on
@@ -161,9 +165,40 @@ class HoldKeeper:
             for rank in range(address["remote_tp_size"])
         ]
         task = asyncio.create_task(self._keep_all(transfer_id, workers))
+        self._track(task)
+        self._kept[task] = (transfer_id, workers)
+        task.add_done_callback(lambda done: self._kept.pop(done, None))
+        return task
+
+    def abandon(self, task: asyncio.Task) -> None:
+        """The request of a :meth:`keep` task ended before decode read its transfer (the
+        client left, or decode failed): stop renewing and ask every worker to free the hold
+        now if no decode rank leased it, instead of holding it out ``release_timeout_s``."""
+        kept = self._kept.pop(task, None)
+        ended_by_itself = task.done() and not task.cancelled()  # read or released already
+        task.cancel()
+        if kept is None or ended_by_itself:
+            return
+        self._track(asyncio.create_task(self._drop_all(*kept)))
+
+    def _track(self, task: asyncio.Task) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return task
+
+    async def _drop_all(self, transfer_id: str, workers: list[Peer]) -> None:
+        await asyncio.gather(*(self._drop_one(transfer_id, worker) for worker in workers))
+
+    async def _drop_one(self, transfer_id: str, peer: Peer) -> None:
+        channel = self._open(peer)
+        try:
+            reply = await channel.exchange(DropHold(transfer_id), self._timeout_s)
+        except SideChannelError as exc:
+            logger.info("transfer %s on %s:%d not freed: %s", transfer_id, *peer, exc)
+            return
+        finally:
+            await self._done_with(channel)
+        self.drops += 1
+        logger.debug("transfer %s on %s:%d: the client left; %s", transfer_id, *peer, reply)
 
     async def _keep_all(self, transfer_id: str, workers: list[Peer]) -> None:
         await asyncio.gather(*(self._keep_one(transfer_id, worker) for worker in workers))

@@ -291,21 +291,28 @@ class Legs:
             return None
         return self.hold_keeper.keep(kv_transfer_params)
 
-    @staticmethod
     async def until_answered(
-        keeping: asyncio.Task | None, decode_leg: Awaitable[tuple[Upstream, httpx.Response]]
+        self,
+        keeping: asyncio.Task | None,
+        decode_leg: Awaitable[tuple[Upstream, httpx.Response]],
     ) -> tuple[Upstream, httpx.Response]:
-        """The decode leg's answer; the renewals stop when it fails (nobody will read the
-        transfer), and otherwise once prefill says the transfer was read."""
+        """The decode leg's answer. When it fails, or the client leaves before it (the leg is
+        closed, so vLLM aborts it), nobody will read the transfer: the renewals stop and
+        prefill is told to free the hold unless a decode rank leased it. Otherwise they go
+        on until prefill says the transfer was read."""
         try:
             upstream, response = await decode_leg
         except BaseException:
-            if keeping is not None:
-                keeping.cancel()
+            self.abandon_hold(keeping)
             raise
-        if keeping is not None and not response.is_success:
-            keeping.cancel()
+        if not response.is_success:
+            self.abandon_hold(keeping)
         return upstream, response
+
+    def abandon_hold(self, keeping: asyncio.Task | None) -> None:
+        """Nobody will read the transfer ``keeping`` renews: free prefill's hold now."""
+        if keeping is not None and self.hold_keeper is not None:
+            self.hold_keeper.abandon(keeping)
 
     async def abandon(self, decode_leg: asyncio.Task) -> None:
         """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""
