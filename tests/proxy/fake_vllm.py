@@ -22,6 +22,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter
+
+#: vLLM's request models read boolean fields as pydantic does in lax mode ("true", 1, "no" ...).
+_LAX_BOOL: TypeAdapter[bool | None] = TypeAdapter(bool | None)
+
+
+def flag(body: dict[str, Any], key: str) -> bool:
+    """A boolean request field as vLLM reads it (absent: false)."""
+    return bool(_LAX_BOOL.validate_python(body.get(key)))
+
 
 #: Put as ``kv_transfer_params`` to leave the key out of the response entirely.
 OMIT = object()
@@ -230,7 +240,7 @@ class FakeVllm:
         )
         tokens, finish = self.engine.generate(prompt, limit, eos)
         texts = [self.engine.text(t) for t in tokens]
-        ids = body.get("return_token_ids") is True
+        ids = flag(body, "return_token_ids")
         want_logprobs = body.get("logprobs") not in (None, False, 0)
         base = {"id": f"{self.name}-x", "created": 1, "model": body.get("model", "tiny")}
         usage = {
@@ -301,7 +311,7 @@ class FakeVllm:
             chunks.append(
                 {**chunk_base, "choices": [choice(i, i + 1, i == len(tokens) - 1, i == 0)]}
             )
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if flag(body.get("stream_options") or {}, "include_usage"):
             chunks.append({**chunk_base, "choices": [], "usage": usage})
         return answer, chunks
 
@@ -344,12 +354,12 @@ class FakeVllm:
                 return Response(content, status_code=status, media_type=media_type)
             if self.generates:
                 answer, chunks = self.engine_answer(request.url.path, body)
-                if body.get("stream"):
+                if flag(body, "stream"):
                     return StreamingResponse(
                         self._engine_stream(chunks), media_type="text/event-stream"
                     )
                 return JSONResponse(answer)
-            if body.get("stream"):
+            if flag(body, "stream"):
                 return StreamingResponse(
                     self._stream(request.url.path), media_type="text/event-stream"
                 )

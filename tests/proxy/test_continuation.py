@@ -10,6 +10,8 @@ finish reason and usage, streamed and not, completions and chat.
 from __future__ import annotations
 
 import json
+import logging
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,7 +23,12 @@ from fake_vllm import PARTIAL_CHARACTER_TOKENS, FakeVllm, TinyEngine
 from loopback_server import serve_on_loopback
 
 from vllm_ascend_mooncake.proxy import create_app
-from vllm_ascend_mooncake.proxy.continuation import FIRST_TOKEN_HEADER, blocker
+from vllm_ascend_mooncake.proxy.continuation import (
+    FIRST_TOKEN_HEADER,
+    OTHER_REASON,
+    REASON_LABELS,
+    blocker,
+)
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
@@ -279,7 +286,7 @@ BLOCKED = {
     "frequency penalty": ({"frequency_penalty": 0.5}, "frequency_penalty"),
     "echo": ({"echo": True}, "echo"),
     "structured output": ({"response_format": {"type": "json_object"}}, "response_format"),
-    "unknown": ({"vllm_xargs": {"a": 1}}, "parameter vllm_xargs"),
+    "unknown": ({"vllm_xargs": {"a": 1}}, "other"),
 }
 
 
@@ -409,3 +416,82 @@ def test_a_client_leaving_mid_stream_frees_the_decode(
             lambda: observer.get("/ready").json()["decode"][0]["in_flight"] == 0,
             "the proxy stops counting the abandoned decode stream",
         )
+
+
+def test_client_chosen_names_never_become_metric_labels(
+    engines: Engines, proxy: httpx.Client
+) -> None:
+    """Unknown parameters and header values are the client's to pick: each as a label would be
+    a series kept for the proxy's life (issue #43: 300 requests, 301 series, +160 MiB)."""
+    for index in range(3):
+        body = {**body_for(COMPLETIONS), f"unknown_{index}_" + "x" * 1000: 1}
+        assert proxy.post(COMPLETIONS, json=body).status_code == 200
+    header = {FIRST_TOKEN_HEADER: "y" * 1000}
+    assert proxy.post(COMPLETIONS, json=body_for(COMPLETIONS), headers=header).is_success
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (family,) = [
+        family
+        for family in text_string_to_metric_families(proxy.get("/metrics").text)
+        if family.name == "vam_proxy_decode_first_tokens"
+    ]
+    counts = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert counts == {OTHER_REASON: 4.0}
+    assert set(counts) <= REASON_LABELS | {OTHER_REASON}
+
+
+def test_a_client_leaving_while_prefill_streams_its_first_token_frees_the_prefill(
+    engines: Engines, proxy: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The streamed prefill leg (issue #43): a hang-up while prefill computes used to leave
+    the prefill counted busy for good (+1 in flight per hang-up)."""
+    teach_prefill_address(engines, proxy, CHAT)
+    engines.prefill.stream_gate.clear()  # the role chunk comes, the token does not
+    payload = json.dumps(body_for(CHAT, stream=True)).encode()
+    host, port = proxy.base_url.host, proxy.base_url.port
+    with caplog.at_level(logging.INFO, logger="vllm_ascend_mooncake.proxy.app"):
+        with socket.create_connection((host, port)) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(payload), payload)
+            )
+            wait_until(
+                lambda: engines.prefill.generation_requests(), "the streamed prefill leg arrives"
+            )
+        wait_until(
+            lambda: "the client left before its answer" in caplog.text,
+            "the proxy sees the client leave while prefill computes",
+        )
+    engines.prefill.stream_gate.set()
+    wait_until(
+        lambda: proxy.get("/ready").json()["prefill"][0]["in_flight"] == 0,
+        "the proxy stops counting the abandoned prefill leg",
+        timeout_s=10,
+    )
+    assert engines.decode.generation_requests() == []
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_flags_are_read_as_vllm_reads_them(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    """vLLM takes "true", 1, "yes" ... as true and "false", 0, "no" ... as false (pydantic's
+    lax bool); so does the proxy, for stream, return_token_ids and include_usage alike."""
+    spellings = ["true", 1, "Yes"] if streamed else ["false", 0, "no"]
+    for spelling in spellings:
+        body = body_for(
+            path,
+            stream=spelling,
+            return_token_ids="false",
+            stream_options={"include_usage": "1"} if streamed else None,
+        )
+        want = {**body, "stream": streamed, "return_token_ids": False}
+        if streamed:
+            want["stream_options"] = {"include_usage": True}
+        for _ in range(2):  # a whole prefill leg, then a streamed one
+            got = proxy.post(path, json=body)
+            same_answer(path, got, colocated(engines, path, want), streamed)
+        if streamed:
+            assert events(got)[-2]["usage"]

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
+import httpx
 import pytest
+from fake_vllm import FakeVllm
+from loopback_server import serve_on_loopback
 
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
@@ -15,16 +20,31 @@ from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.proxy import holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 RELEASE_TIMEOUT_S = 1.0
+SLOW_RELEASE_TIMEOUT_S = 2.0
 
 
 @pytest.fixture
-def prefill():
+def prefill() -> Iterator[tuple[SendTracker, int]]:
     """One prefill worker (TP 1, one decode reader) holding transfer ``t``."""
+    with serving_prefill(RELEASE_TIMEOUT_S) as served:
+        yield served
+
+
+@pytest.fixture
+def slow_prefill() -> Iterator[tuple[SendTracker, int]]:
+    """The same with a release timeout long enough to renew a few times within one."""
+    with serving_prefill(SLOW_RELEASE_TIMEOUT_S) as served:
+        yield served
+
+
+@contextmanager
+def serving_prefill(release_timeout_s: float) -> Iterator[tuple[SendTracker, int]]:
     port = free_port_range(1)
-    tracker = SendTracker(TransferTopology(4, 1, 1), 0, RELEASE_TIMEOUT_S)
+    tracker = SendTracker(TransferTopology(4, 1, 1), 0, release_timeout_s)
     metadata = WorkerMetadata(
         engine_id="prefill",
         incarnation="i",
@@ -39,18 +59,20 @@ def prefill():
     )
     sender = PrefillSender(metadata, tracker, HOST, port)
     tracker.hold("t")
-    yield tracker, port
-    sender.close()
+    try:
+        yield tracker, port
+    finally:
+        sender.close()
 
 
-def params(port: int) -> dict:
+def params(port: int, transfer_id: str = "t", tp_size: int = 1) -> dict:
     """What the prefill answered the proxy (the keys the renewal reads)."""
     return {
         "remote_engine_id": "prefill",
-        "remote_request_id": "t",
+        "remote_request_id": transfer_id,
         "remote_host": HOST,
         "remote_port": port,
-        "remote_tp_size": 1,
+        "remote_tp_size": tp_size,
     }
 
 
@@ -83,7 +105,7 @@ def test_without_renewals_the_same_hold_expires(prefill) -> None:
     assert tracker.take_finished() == {"t"} and tracker.take_expired_count() == 1
 
 
-def test_renewals_to_a_prefill_that_does_not_answer_end_after_one_timeout(monkeypatch) -> None:
+def test_renewals_to_a_prefill_that_does_not_answer_end_by_themselves(monkeypatch) -> None:
     monkeypatch.setattr(holds, "MIN_RENEW_PAUSE_S", 0.0)
 
     async def scenario() -> None:
@@ -109,3 +131,72 @@ def test_params_that_name_no_transfer_start_nothing() -> None:
             await keeper.close()
 
     asyncio.run(scenario())
+
+
+def test_a_dead_prefill_delays_no_other_prefills_renewals(prefill) -> None:
+    """Issue #43: a dead TP 4 prefill's 6 kept transfers (24 renewals, each waiting out its
+    timeout) once filled the keeper's shared threads, and a healthy prefill's hold expired."""
+    tracker, port = prefill
+
+    async def scenario() -> int:
+        keeper = HoldKeeper()
+        try:
+            dead = free_port_range(4)  # nobody listens there
+            for index in range(6):
+                keeper.keep(params(dead, f"dead-{index}", tp_size=4))
+            await asyncio.sleep(0.01)
+            keeper.keep(params(port))
+            await asyncio.sleep(3 * RELEASE_TIMEOUT_S)  # decode still queued
+            return keeper.renewals
+        finally:
+            await keeper.close()
+
+    renewals = asyncio.run(scenario())
+    assert tracker.take_finished() == set() and tracker.take_expired_count() == 0
+    assert renewals >= 2
+
+
+def test_a_late_reply_is_asked_again_within_the_lease(slow_prefill) -> None:
+    """A worker that answers one renewal later than one try waits (a busy prefill) is asked
+    again while the lease lasts, instead of being left alone until its hold expires."""
+    tracker, port = slow_prefill
+    keep, calls = tracker.keep, []
+
+    def slow_second_answer(transfer_id: str):
+        calls.append(transfer_id)
+        if len(calls) == 2:
+            time.sleep(0.8)  # the side channel's thread: every reply waits behind this one
+        return keep(transfer_id)
+
+    tracker.keep = slow_second_answer
+
+    async def scenario() -> None:
+        keeper = HoldKeeper(timeout_s=0.3)
+        try:
+            keeper.keep(params(port))
+            await asyncio.sleep(2.25 * SLOW_RELEASE_TIMEOUT_S)
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+    assert len(calls) > 3
+    assert tracker.take_finished() == set() and tracker.take_expired_count() == 0
+
+
+def test_a_client_that_leaves_before_decode_read_frees_prefills_hold(start_proxy) -> None:
+    """Issue #43: a client that hung up after prefill answered left prefill's blocks held until
+    its release timeout, since the aborted decode request never claims. The proxy tells prefill
+    (``DropHold``) to free a hold nobody leased."""
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
+        decode.answer_gate.clear()  # the decode request waits in decode's queue
+        stack.callback(decode.answer_gate.set)
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], overlap_legs=False)
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            proxy.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        assert decode.generation_requests()  # decode had the request, and never read it
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {"t"} and tracker.take_expired_count() == 0

@@ -21,7 +21,8 @@ A decode rank's lease belongs to the reader it was first granted to (the decode 
 incarnation): nobody else can renew it or end it with a read-done notice. However often it is
 renewed, a transfer is held at most ``MAX_HOLD_TIMEOUTS`` release timeouts in all. A router may
 renew a hold nobody leased yet (``KeepHold``: its decode request waits in decode's queue, where
-vLLM tells the connector nothing), within the same bound.
+vLLM tells the connector nothing), within the same bound, and free one nobody leased
+(``DropHold``: its client left, so the decode request was aborted and nobody will read it).
 
 Decode instances of any TP size this prefill can pair with may read it: the readers a transfer
 waits for are those of the configured ``decode.tp_size`` until the first claim or notice for it
@@ -53,6 +54,7 @@ from .wire import (
     Ack,
     ClaimRead,
     ClaimReply,
+    DropHold,
     ErrorReply,
     GetMetadata,
     KeepHold,
@@ -334,6 +336,21 @@ class SendTracker:
                 )
             return ClaimReply("held", lease_s=held.deadline - now)
 
+    def drop_unread(self, transfer_id: str) -> ClaimReply:
+        """Free ``transfer_id`` now unless a decode rank leased it (a router's client left, so
+        nobody will read it); a leased one waits for its reader's notice."""
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None:
+                return ClaimReply("refused", reason="it is not held")
+            if held.lessees:
+                return ClaimReply("held", reason="a decode rank holds a lease on it")
+            del self._held[transfer_id]
+            self._release(transfer_id, held.request_id)
+        if self.on_change is not None:
+            self.on_change(transfer_id)
+        return ClaimReply("refused", reason="freed: the router's client left")
+
     def read_done(
         self,
         transfer_id: str,
@@ -513,6 +530,8 @@ class PrefillSender:
             return reply
         if isinstance(message, KeepHold):
             return self.tracker.keep(message.request_id)
+        if isinstance(message, DropHold):
+            return self.tracker.drop_unread(message.request_id)
         if isinstance(message, VerifyRead):
             blocks = self.tracker.leased_blocks(
                 message.request_id, message.decode_rank, message.reader

@@ -213,6 +213,17 @@ class KeepHold(msgspec.Struct, tag="keep_hold", frozen=True):
     request_id: Id
 
 
+class DropHold(msgspec.Struct, tag="drop_hold", frozen=True):
+    """Free a transfer's blocks now if no decode rank holds a lease on them: sent by a router
+    whose client left after prefill answered, so the decode request it handed the transfer to
+    was aborted and nobody will read it (without it the hold waits out ``release_timeout_s``).
+    A transfer a reader leased is left to that reader's read-done notice. Prefill answers with
+    a :class:`ClaimReply`: ``refused`` (freed now, or not held) or ``held`` (a reader's lease
+    runs)."""
+
+    request_id: Id
+
+
 #: The most ranges one :class:`VerifyRead` names (decode sends one per read batch, whose
 #: descriptors ``max_descriptors_per_batch`` caps).
 MAX_VERIFIED_RANGES = 1 << 16
@@ -253,6 +264,7 @@ Message = (
     | ClaimReply
     | ReadDone
     | KeepHold
+    | DropHold
     | VerifyRead
     | ReadDigest
     | Ack

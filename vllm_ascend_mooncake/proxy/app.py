@@ -192,7 +192,7 @@ class DisaggregatingProxy:
                     return await self.continued.route(request)
             else:
                 reason = "asked" if first_token == FROM_DECODE else f"header {first_token!r}"
-            self.metrics.decode_first_tokens.labels(reason).inc()
+            self.legs.decode_samples_first_token(reason, request.request_id)
             if self.overlap_legs:
                 prefill_upstream = self.prefill.ranked()[0]
                 choice = self.legs.prefill_ranks.choose(prefill_upstream.url)

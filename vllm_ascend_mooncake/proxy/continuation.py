@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..connector.params import HOLD_IF_STOPPED_KEY, TRANSFER_ID_KEY
+from .flags import is_false, is_flag
 from .payloads import PREFILL_KV_TRANSFER_PARAMS, kv_transfer_params_from_prefill
 
 COMPLETIONS = "/v1/completions"
@@ -41,10 +42,6 @@ FIRST_TOKEN_SOURCES = (FROM_PREFILL, FROM_DECODE)
 
 def _absent_or(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or allowed(value)
-
-
-def _is_false(value: Any) -> bool:
-    return value is False
 
 
 def _is_zero(value: Any) -> bool:
@@ -107,13 +104,13 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": _any,
     "spaces_between_special_tokens": _any,
     "logprobs": _any,
-    "stream": _any,
+    "stream": _absent_or(is_flag),  # one vLLM refuses gets its 400 from decode's leg
     "stream_options": _any,
     "user": _any,
     "cache_salt": _any,
     "priority": _any,
     "request_id": _any,
-    "return_token_ids": _any,
+    "return_token_ids": _absent_or(is_flag),
     "return_tokens_as_token_ids": _any,
     "truncate_prompt_tokens": _any,  # prefill truncates; decode gets the ids it kept
     "add_special_tokens": _any,
@@ -121,8 +118,8 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
     "stop": _absent_or(_single_characters),
     "n": _absent_or(lambda n: n == 1),
     "best_of": _absent_or(lambda n: n == 1),
-    "use_beam_search": _absent_or(_is_false),
-    "echo": _absent_or(_is_false),
+    "use_beam_search": _absent_or(is_false),
+    "echo": _absent_or(is_false),
     "prompt_logprobs": lambda value: value is None,
     # counted over generated tokens only: decode would count the continued token as prompt
     "frequency_penalty": _absent_or(_is_zero),
@@ -148,6 +145,31 @@ _ALLOWED: dict[str, dict[str, Callable[[Any], bool]]] = {
         "continue_final_message": _any,
     },
 }
+
+
+#: Why decode samples a request's first token again, beyond the names of the parameters above:
+#: the labels ``vam_proxy_decode_first_tokens_total{reason}`` may carry.
+_OTHER_REASONS = (
+    "asked",  # --first-token decode, or X-First-Token-From: decode
+    "path",
+    "no prompt",
+    "no max_tokens",
+    "no token ids from prefill",
+    "chat on vLLM before 0.30",
+    "partial character",
+)
+REASON_LABELS = frozenset(
+    {*_OTHER_REASONS, *(key for allowed in _ALLOWED.values() for key in allowed)}
+)
+#: The label of every other reason: an unknown parameter or header value, which the client
+#: names (a label per name would grow the proxy's series, and its memory, without bound).
+OTHER_REASON = "other"
+
+
+def reason_label(reason: str) -> str:
+    """The metric label of a reason :func:`blocker` (or the routing) gave: the reason itself
+    when it is one of :data:`REASON_LABELS`, else :data:`OTHER_REASON`."""
+    return reason if reason in REASON_LABELS else OTHER_REASON
 
 
 def token_limit(body: Mapping[str, Any]) -> int | None:

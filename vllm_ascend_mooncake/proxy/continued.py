@@ -23,6 +23,7 @@ from .balancer import Upstream
 from .client_request import ClientRequest
 from .continuation import FirstToken
 from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
+from .flags import is_true
 from .legs import Legs
 from .payloads import (
     InvalidPrefillResponse,
@@ -98,12 +99,17 @@ class _PrefillStream:
         task.add_done_callback(_background.discard)
 
     async def close(self) -> None:
+        """Close the leg and release its instance, once; the release holds even when the
+        close is cancelled (a client that left), so the instance is never counted busy for
+        good."""
         if self._closed:
             return
         self._closed = True
-        await self._response.aclose()
-        self._legs.prefill.release(self._upstream)
-        self._legs.prefill_ranks.finished(self._upstream.url, self._choice)
+        try:
+            await self._response.aclose()
+        finally:
+            self._legs.prefill.release(self._upstream)
+            self._legs.prefill_ranks.finished(self._upstream.url, self._choice)
 
 
 #: Streams drained after the request went on (a reference keeps each task alive).
@@ -175,12 +181,12 @@ class ContinuedLegs:
             reason = "partial character"  # decode's prompt would end in one (.token_texts)
         if reason is not None:
             # Decode samples the first token again from the KV prefill holds.
-            self.legs.metrics.decode_first_tokens.labels(reason).inc()
+            self.legs.decode_samples_first_token(reason, request.request_id)
             request.trace.mode = "serial"
             return await self.legs.decode_after(prefill_upstream, params, request)
         assert first is not None
         splice = Splice(first, request.body)
-        streamed = request.body.get("stream") is True
+        streamed = is_true(request.body.get("stream"))
         if ends_answer:
             request.trace.mark("first_chunk")
             request.trace.emit()
@@ -217,7 +223,7 @@ class ContinuedLegs:
         try:
             decode_upstream, decode_response = await leg
         except BaseException:
-            leg.cancel()
+            await self.legs.abandon(leg)  # a leg that opened as the client left is closed too
             raise
         await self.legs.upstreams.read_all(self.legs.decode, decode_upstream, decode_response)
         request.trace.mark("decode_answered")
@@ -272,31 +278,36 @@ class ContinuedLegs:
             legs.prefill_ranks.finished(upstream.url, choice)
             raise
         reader = _PrefillStream(legs, upstream, choice, response)
-        if not response.is_success:
-            try:
-                await response.aread()
-            finally:
-                await reader.close()
-            return legs.prefill_failed(upstream, response, request.request_id)
+        handed_on = False
         try:
-            chunks = await reader.until_token()
-        except (httpx.HTTPError, ValueError) as error:
-            await reader.close()
-            return legs.invalid_prefill(upstream, request.path, error)
-        request.trace.mark("prefill_answered")
-        error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
-        if error is not None:
-            await reader.close()
-            return legs.invalid_prefill(upstream, request.path, ValueError(json.dumps(error)[:500]))
-        held = "kv_transfer_params" in body
-        held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
-        first = continuation.first_token_from_stream(request.path, chunks, held_at)
-        if first is not None and first.ends_answer(request.body):
-            chunks += await reader.drain()  # its usage chunk: the whole answer's usage
+            if not response.is_success:
+                await response.aread()
+                return legs.prefill_failed(upstream, response, request.request_id)
+            try:
+                chunks = await reader.until_token()
+            except (httpx.HTTPError, ValueError) as error:
+                return legs.invalid_prefill(upstream, request.path, error)
+            request.trace.mark("prefill_answered")
+            error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
+            if error is not None:
+                return legs.invalid_prefill(
+                    upstream, request.path, ValueError(json.dumps(error)[:500])
+                )
+            held = "kv_transfer_params" in body
+            held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             first = continuation.first_token_from_stream(request.path, chunks, held_at)
-        else:
-            reader.drain_later()
-        return upstream, first, first.kv_transfer_params if first is not None else held_at
+            if first is not None and first.ends_answer(request.body):
+                chunks += await reader.drain()  # its usage chunk: the whole answer's usage
+                first = continuation.first_token_from_stream(request.path, chunks, held_at)
+            else:
+                reader.drain_later()
+                handed_on = True
+            return upstream, first, first.kv_transfer_params if first is not None else held_at
+        finally:
+            # Every way out but the hand-off to drain_later closes the leg, a client that
+            # hung up while prefill computed (CancelledError) included.
+            if not handed_on:
+                await reader.close()
 
     def _stream(
         self,

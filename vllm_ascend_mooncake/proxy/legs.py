@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .balancer import Balancer, Upstream
 from .client_request import ClientRequest
+from .continuation import reason_label
 from .errors import NO_ANSWER_FAILURES, error_response
 from .holds import HoldKeeper
 from .metrics import ProxyMetrics
@@ -272,6 +273,17 @@ class Legs:
             self.decode, decode_upstream, decode_response, request.request_id, request.trace
         )
 
+    def decode_samples_first_token(self, reason: str, request_id: str) -> None:
+        """Count a request whose first token decode samples again, under a label of a fixed
+        set (:func:`.continuation.reason_label`); the reason itself, which may name what the
+        client sent, goes to the log only."""
+        label = reason_label(reason)
+        self.metrics.decode_first_tokens.labels(label).inc()
+        if label != reason:
+            logger.debug(
+                "request %s: decode samples the first token again: %.200s", request_id, reason
+            )
+
     def keep_hold(self, kv_transfer_params: dict[str, Any] | None) -> asyncio.Task | None:
         """Renew prefill's hold on the transfer while the decode leg may wait in decode's
         queue (:mod:`.holds`)."""
@@ -279,21 +291,28 @@ class Legs:
             return None
         return self.hold_keeper.keep(kv_transfer_params)
 
-    @staticmethod
     async def until_answered(
-        keeping: asyncio.Task | None, decode_leg: Awaitable[tuple[Upstream, httpx.Response]]
+        self,
+        keeping: asyncio.Task | None,
+        decode_leg: Awaitable[tuple[Upstream, httpx.Response]],
     ) -> tuple[Upstream, httpx.Response]:
-        """The decode leg's answer; the renewals stop when it fails (nobody will read the
-        transfer), and otherwise once prefill says the transfer was read."""
+        """The decode leg's answer. When it fails, or the client leaves before it (the leg is
+        closed, so vLLM aborts it), nobody will read the transfer: the renewals stop and
+        prefill is told to free the hold unless a decode rank leased it. Otherwise they go
+        on until prefill says the transfer was read."""
         try:
             upstream, response = await decode_leg
         except BaseException:
-            if keeping is not None:
-                keeping.cancel()
+            self.abandon_hold(keeping)
             raise
-        if keeping is not None and not response.is_success:
-            keeping.cancel()
+        if not response.is_success:
+            self.abandon_hold(keeping)
         return upstream, response
+
+    def abandon_hold(self, keeping: asyncio.Task | None) -> None:
+        """Nobody will read the transfer ``keeping`` renews: free prefill's hold now."""
+        if keeping is not None and self.hold_keeper is not None:
+            self.hold_keeper.abandon(keeping)
 
     async def abandon(self, decode_leg: asyncio.Task) -> None:
         """Stop a decode leg whose prefill failed: closing its connection makes vLLM abort it."""

@@ -93,7 +93,8 @@ class ProxyMetrics:
         self.decode_first_tokens = Counter(
             "vam_proxy_decode_first_tokens",
             "requests whose first token decode sampled again instead of continuing from "
-            "prefill's, by the reason (a parameter, or 'asked' by flag or header)",
+            "prefill's, by the reason (a parameter, 'asked' by flag or header, or 'other': an "
+            "unknown parameter or header value)",
             ["reason"],
             registry=self.registry,
         )

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .continuation import FirstToken
+from .flags import is_true
 
 _REASONING_KEYS = ("reasoning", "reasoning_content")
 
@@ -46,11 +47,13 @@ class Splice:
 
     def __init__(self, first: FirstToken, client_body: Mapping[str, Any]) -> None:
         self.first = first
-        self.asked_token_ids = bool(client_body.get("return_token_ids"))
+        self.asked_token_ids = is_true(client_body.get("return_token_ids"))
         options = client_body.get("stream_options")
         options = options if isinstance(options, dict) else {}
-        self.include_usage = bool(options.get("include_usage"))
-        self.continuous_usage = self.include_usage and bool(options.get("continuous_usage_stats"))
+        self.include_usage = is_true(options.get("include_usage"))
+        self.continuous_usage = self.include_usage and is_true(
+            options.get("continuous_usage_stats")
+        )
         #: what decode ran as its prompt: prefill's prompt followed by prefill's tokens
         self.continued_ids = [*first.prompt_token_ids, *first.token_ids]
 
