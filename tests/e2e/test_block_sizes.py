@@ -179,3 +179,55 @@ def test_bfloat16_blocks_of_the_amx_kernel_are_cut_by_token(tmp_path) -> None:
         assert_clean_transfers(pd, requests=4)
         decode_log = (tmp_path / "decode.log").read_text(errors="replace")
         assert f"attention CPU_ATTN/{isa}" in decode_log
+
+
+def test_a_config_head_dim_the_attention_ignores_plans_from_the_layers(tmp_path) -> None:
+    """Issue #44's geometry: a Qwen2 checkpoint whose config says ``head_dim`` 64 while vLLM's
+    Qwen2 attention computes ``hidden_size // num_attention_heads`` = 32 (16 query heads, 4 KV
+    heads, hidden 512, float32). Decode TP 2 with 64-token blocks is fed through one ``vam-proxy``
+    by a TP 1 prefill with 32-token blocks and a TP 4 prefill with 128-token blocks: the packing
+    that lets blocks be cut by token must come from the layers (32), not the config (64), or
+    every pull is refused as incompatible. Answers equal decode's colocated ones, every pull
+    succeeds, both prefills compute prompts and free every block."""
+    model_spec = TinyModelSpec(
+        architecture="qwen2",
+        num_attention_heads=16,
+        num_kv_heads=4,
+        head_dim=32,
+        config_head_dim=64,
+        dtype="float32",
+    )
+    assert model_spec.hidden == 512
+    spec = DeploymentSpec(
+        model=str(build_tiny_model(model_spec)),
+        prefill_tp=1,
+        decode_tp=2,
+        block_size=64,
+        prefill_block_size=32,
+        log_dir=str(tmp_path),
+    )
+    pd = LocalDeployment(spec)
+    wide = pd.add_server(
+        "kv_producer",
+        name="prefill-tp4-128",
+        prefill_tp=4,
+        prefill_block_size=128,
+        side_channel_port=free_port_range(4),
+    )
+    prompts = PROMPTS[:4]
+    with pd:
+        proxy = pd.add_proxy("--prefill", wide.base_url)
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        expected = {p: complete(pd.decode.base_url, name, p) for p in prompts}
+        prefills = (pd.prefill.base_url, wide.base_url)
+        before = {url: metric(url, "vllm:prompt_tokens_total") for url in prefills}
+        for prompt in prompts + prompts:  # twice: the balancer sends each prefill some
+            assert_same(complete(proxy, name, prompt), expected[prompt], "through P/D")
+        computed = {url: metric(url, "vllm:prompt_tokens_total") - before[url] for url in prefills}
+        assert all(tokens > 0 for tokens in computed.values()), computed
+        assert_clean_transfers(pd, requests=2 * len(prompts))
+        assert_extra_prefill_clean(wide.base_url, "the TP 4 / 128-token prefill")
+        decode_log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert "Traceback" not in decode_log
+        assert "treating its blocks as unsplittable" not in decode_log
+        assert "holds 2 KV head(s) of size 32 on this rank, where the model config" in decode_log

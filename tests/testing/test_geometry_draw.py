@@ -9,6 +9,7 @@ from vllm_ascend_mooncake.testing import geometry_draw
 from vllm_ascend_mooncake.testing.geometry_draw import (
     ARCHITECTURES,
     BLOCK_SIZES,
+    CONFIG_HEAD_DIMS,
     DTYPES,
     HEAD_DIMS,
     KV_HEADS,
@@ -54,6 +55,15 @@ def check_servable(draw: GeometryDraw) -> None:
         assert kv % tp == 0 or tp % kv == 0, f"{draw}: vLLM cannot shard {kv} KV heads"
     assert draw.head_dim in HEAD_DIMS and draw.dtype in DTYPES
     assert draw.prefill_block_size in BLOCK_SIZES and draw.decode_block_size in BLOCK_SIZES
+    if draw.config_head_dim is not None:  # stated, ignored by vLLM's Qwen2 attention
+        assert draw.architecture == "qwen2" and draw.config_head_dim in CONFIG_HEAD_DIMS
+        assert draw.config_head_dim != draw.head_dim and draw.hidden_size is None
+        assert spec.config(1, 2, 0)["head_dim"] == draw.config_head_dim
+        assert spec.hidden == draw.num_attention_heads * draw.head_dim
+    if draw.hidden_size is not None:  # honoured by vLLM's Llama
+        assert draw.architecture == "llama" and draw.config_head_dim is None
+        assert draw.hidden_size != draw.num_attention_heads * draw.head_dim
+        assert spec.config(1, 2, 0)["head_dim"] == draw.head_dim
 
 
 def test_a_seed_always_draws_the_same_geometry() -> None:
@@ -76,6 +86,11 @@ def test_the_draws_cover_every_value_of_every_axis() -> None:
     assert {(d.prefill_block_size, d.decode_block_size) for d in grouped} == {
         (p, d) for p in BLOCK_SIZES for d in BLOCK_SIZES
     }
+    # configs that disagree with their attention, both kinds, beside agreeing ones
+    qwen2 = [d for d in grouped if d.architecture == "qwen2"]
+    llama = [d for d in grouped if d.architecture == "llama"]
+    assert {d.config_head_dim for d in qwen2} == {None, *CONFIG_HEAD_DIMS}
+    assert {d.hidden_size is None for d in llama} == {True, False}
 
 
 def test_run_seeds_reproduce_one_or_draw_fresh_ones(monkeypatch) -> None:

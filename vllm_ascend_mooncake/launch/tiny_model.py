@@ -187,7 +187,11 @@ class TinyModelSpec(TinySpecBase):
     Llama's layers plus biases on the Q/K/V projections).
 
     ``hidden_size`` defaults to ``num_attention_heads * head_dim`` and ``intermediate_size`` to
-    twice the hidden size (:class:`TinySpecBase`).
+    twice the hidden size (:class:`TinySpecBase`). ``config_head_dim``: a ``head_dim`` that
+    config.json states and the attention ignores (Qwen2 only: vLLM's Qwen2 attention computes
+    ``hidden_size // num_attention_heads``, the real ``head_dim`` here, while vLLM's
+    ``ModelConfig.get_head_size()`` returns the config's), for checking that nothing plans with
+    the config's value.
     """
 
     num_layers: int = 2
@@ -201,6 +205,7 @@ class TinyModelSpec(TinySpecBase):
     dtype: str = "float32"
     seed: int = 0
     architecture: str = "llama"
+    config_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -208,7 +213,15 @@ class TinyModelSpec(TinySpecBase):
                 f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}"
             )
         self.resolve_sizes(default_hidden=self.num_attention_heads * self.head_dim)
-        self.check_fields(not_sizes=("dtype", "architecture"))
+        self.check_fields(not_sizes=("dtype", "architecture", "config_head_dim"))
+        if self.config_head_dim is not None and (
+            self.architecture != "qwen2" or self.config_head_dim in (self.head_dim, 0)
+        ):
+            raise ValueError(
+                f"config_head_dim states a head_dim the attention ignores: Qwen2 only, and "
+                f"other than head_dim {self.head_dim}; got {self.config_head_dim} for "
+                f"{self.architecture}"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -223,14 +236,20 @@ class TinyModelSpec(TinySpecBase):
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields with derived sizes resolved; what the cache key is computed from."""
-        return dataclasses.asdict(self)
+        """All fields with derived sizes resolved; what the cache key is computed from (an unset
+        ``config_head_dim`` left out: specs made before it cache as they did)."""
+        fields = dataclasses.asdict(self)
+        if fields["config_head_dim"] is None:
+            del fields["config_head_dim"]
+        return fields
 
     def directory_name(self) -> str:
         """Readable, collision-free directory name for the cache."""
         return (
             f"{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}-kv{self.num_kv_heads}"
-            f"-d{self.head_dim}-{self.dtype}-{self.fingerprint()[:16]}"
+            f"-d{self.head_dim}"
+            + (f"-cfgd{self.config_head_dim}" if self.config_head_dim else "")
+            + f"-{self.dtype}-{self.fingerprint()[:16]}"
         )
 
     def config(self, bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -265,6 +284,8 @@ class TinyModelSpec(TinySpecBase):
             for key in ("attention_bias", "mlp_bias", "head_dim"):
                 del config[key]
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+            if self.config_head_dim is not None:
+                config["head_dim"] = self.config_head_dim
         return config
 
     def weight_shapes(self) -> Iterator[WeightShape]:

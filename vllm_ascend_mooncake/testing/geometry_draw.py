@@ -12,6 +12,11 @@ machine:
   heads divide it, the latter replicating heads); attention heads the least multiple of the KV
   heads and both TP sizes, at least :data:`MIN_ATTENTION_HEADS`;
 * head_dim 64 or 128 (vLLM CPU attention sizes), layers 2-4, float32 or bfloat16;
+* a config that disagrees with its attention, half the time (issue #44): a Qwen2 whose config
+  states a ``head_dim`` its vLLM attention ignores (it computes ``hidden_size // heads``), or a
+  Llama whose ``hidden_size`` is not ``heads x head_dim`` (vLLM honours its ``head_dim``). These
+  are drawn from a second generator of the seed, so the other axes of a printed seed keep
+  their meaning;
 * block sizes 32, 64 or 128 per side, mixed (vLLM CPU's chunk packing is known, so blocks are cut
   by token). MLA models are bfloat16 (vLLM CPU's MLA backends need it) with DeepSeek-V2's real
   latent (576 elements) and block size 32 on both sides: vLLM CPU's MLA backends take no other
@@ -22,6 +27,7 @@ No I/O, no vLLM: tests/testing checks every draw of many seeds against these rul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -47,7 +53,9 @@ MIN_ATTENTION_HEADS = 4
 #: The environment variables a run's draws come from (the pytest options override them).
 SEED_ENV_VAR = "VAM_GEOMETRY_SEED"
 DRAWS_ENV_VAR = "VAM_GEOMETRY_DRAWS"
-DEFAULT_DRAWS = 2
+DEFAULT_DRAWS = 3
+#: What a Qwen2 draw's config may state as its ``head_dim`` while the attention uses another.
+CONFIG_HEAD_DIMS = (32, 64, 128)
 
 
 #: The text a draw's prompts are cut from (as the served model's token ids: at least
@@ -72,6 +80,10 @@ class GeometryDraw:
     decode_tp: int
     prefill_block_size: int
     decode_block_size: int
+    #: Llama: a hidden size other than heads x head_dim (None: that product)
+    hidden_size: int | None = None
+    #: Qwen2: the head_dim its config states and its attention ignores (None: none stated)
+    config_head_dim: int | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -94,6 +106,8 @@ class GeometryDraw:
             num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
+            hidden_size=self.hidden_size,
+            config_head_dim=self.config_head_dim,
             dtype=self.dtype,
             seed=weights_seed,
         )
@@ -107,6 +121,10 @@ class GeometryDraw:
 
     def __str__(self) -> str:
         heads = "latent576" if self.is_mla else f"kv{self.num_kv_heads}-d{self.head_dim}"
+        if self.hidden_size is not None:
+            heads += f"-hidden{self.hidden_size}"
+        if self.config_head_dim is not None:
+            heads += f"-cfgd{self.config_head_dim}"
         return (
             f"seed{self.seed}-{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}"
             f"-{heads}-{self.dtype}-tp{self.prefill_tp}to{self.decode_tp}"
@@ -155,7 +173,7 @@ def draw_geometry(seed: int) -> GeometryDraw:
     kv_heads = rng.choice(
         [n for n in KV_HEADS if shardable(n, prefill_tp) and shardable(n, decode_tp)]
     )
-    return GeometryDraw(
+    draw = GeometryDraw(
         seed=seed,
         architecture=architecture,
         num_layers=num_layers,
@@ -168,6 +186,21 @@ def draw_geometry(seed: int) -> GeometryDraw:
         prefill_block_size=rng.choice(BLOCK_SIZES),
         decode_block_size=rng.choice(BLOCK_SIZES),
     )
+    return _with_disagreeing_config(draw)
+
+
+def _with_disagreeing_config(draw: GeometryDraw) -> GeometryDraw:
+    """Half the time, a config that disagrees with the attention (see the module docstring),
+    from a generator of its own (``random.Random`` of a str is stable too)."""
+    rng = random.Random(f"config-{draw.seed}")
+    if rng.random() < 0.5:
+        return draw
+    assert draw.head_dim is not None
+    if draw.architecture == "qwen2":
+        stated = rng.choice([d for d in CONFIG_HEAD_DIMS if d != draw.head_dim])
+        return dataclasses.replace(draw, config_head_dim=stated)
+    width = draw.num_attention_heads * draw.head_dim
+    return dataclasses.replace(draw, hidden_size=rng.choice((width // 2, 2 * width)))
 
 
 def _attention_heads(kv_heads: int, prefill_tp: int, decode_tp: int) -> int:
