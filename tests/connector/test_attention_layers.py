@@ -10,8 +10,10 @@ from vllm_ascend_mooncake.connector.attention_layers import (
     AttentionGeometry,
     LayerGeometry,
     attention_geometry,
+    check_planned_heads,
 )
 from vllm_ascend_mooncake.core.layout import LayoutError
+from vllm_ascend_mooncake.core.topology import TransferTopology
 
 CONFIG = LayerGeometry(num_kv_heads=2, head_size=64)  # what the model's config says
 
@@ -48,3 +50,11 @@ def test_a_draft_layer_with_its_own_kv_head_count_is_refused_naming_it() -> None
     found = layers(**{"model.layers.0.attn": (2, 64), "model.layers.1.mtp.attn": (1, 64)})
     with pytest.raises(LayoutError, match=r"model\.layers\.1\.mtp\.attn: 1.*draft layer"):
         attention_geometry(found, found, default=CONFIG, is_mla=False)
+
+
+def test_the_layers_heads_must_be_those_the_topology_plans_with() -> None:
+    topology = TransferTopology(num_kv_heads=4, prefill_tp=2, decode_tp=1)
+    check_planned_heads(AttentionGeometry(2, 64), topology, is_prefill=True, tp_size=2)
+    check_planned_heads(AttentionGeometry(4, 64), topology, is_prefill=False, tp_size=1)
+    with pytest.raises(LayoutError, match=r"hold 1 KV head.*4 KV heads over TP 2 give 2"):
+        check_planned_heads(AttentionGeometry(1, 64), topology, is_prefill=True, tp_size=2)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.layout import LayoutError
+from ..core.topology import TransferTopology
 from ..log import get_logger
 
 logger = get_logger(__name__)
@@ -102,6 +103,24 @@ def attention_geometry(
             default.head_size,
         )
     return AttentionGeometry(geometry.num_kv_heads, geometry.head_size)
+
+
+def check_planned_heads(
+    geometry: AttentionGeometry, topology: TransferTopology, is_prefill: bool, tp_size: int
+) -> None:
+    """The heads the layers hold on this rank must be those the topology plans with (the config's
+    total KV heads over this side's TP): the total is the one value still taken from the config,
+    since a rank holding one replicated head cannot tell how many there are in all."""
+    if topology.is_mla:
+        return
+    planned = topology.prefill_heads_per_rank if is_prefill else topology.decode_heads_per_rank
+    if geometry.num_kv_heads != planned:
+        raise LayoutError(
+            f"the attention layers hold {geometry.num_kv_heads} KV head(s) on this rank, but "
+            f"{topology.heads} KV heads over TP {tp_size} give {planned}: the model config's "
+            f"num_key_value_heads does not describe this model's attention, which this connector "
+            f"cannot plan"
+        )
 
 
 def refuse_unsupported_parallelism(parallel_config: Any) -> None:

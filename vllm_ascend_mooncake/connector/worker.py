@@ -40,6 +40,7 @@ from .attention_layers import (
     AttentionGeometry,
     LayerGeometry,
     attention_geometry,
+    check_planned_heads,
     refuse_hybrid_layers,
     refuse_unsupported_parallelism,
 )
@@ -170,6 +171,8 @@ class ConnectorWorker:
             ),
             is_mla=config.is_mla,
         )
+        topology = config.topology()
+        check_planned_heads(geometry, topology, config.is_producer, config.local.tp_size)
         identity = model_identity(
             vllm_config,
             ordered,
@@ -197,7 +200,6 @@ class ConnectorWorker:
             dp_size=config.local.dp_size,
             model=identity,
         )
-        topology = config.topology()
         if config.is_producer:
             side = build_prefill_side(
                 who, topology, self.transport, memory, prefill_settings(config, self.tp_rank)
