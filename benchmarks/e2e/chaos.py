@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -38,6 +39,13 @@ from typing import Any
 import httpx
 
 from benchmarks.common import add_json_arg, make_parser, write_json
+from benchmarks.e2e.fault_attribution import (
+    UNATTRIBUTED,
+    causes,
+    count_by_cause,
+    failed_pulls,
+    fault_windows,
+)
 from vllm_ascend_mooncake.launch.deployment import LOOPBACK, DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
@@ -115,6 +123,12 @@ class ChaosReport:
     dead: list[str]
     #: decode's failed pulls by kind (the faults make some: each ends a request with an error)
     failed_pulls: dict[str, int] = field(default_factory=dict)
+    #: errors and decode's logged failed pulls by the fault that caused them
+    #: (:mod:`.fault_attribution`; "unattributed": no fault explains it)
+    errors_by_fault: dict[str, int] = field(default_factory=dict)
+    failed_pulls_by_fault: dict[str, int] = field(default_factory=dict)
+    #: what no fault explains, one line each
+    unattributed: list[str] = field(default_factory=list)
 
     @property
     def answered(self) -> int:
@@ -146,6 +160,7 @@ class ChaosReport:
                 found.append(f"a request ended with neither an answer nor an error: {o}")
         if self.answered == 0:
             found.append("no request was answered")
+        found += [f"no fault explains {what}" for what in self.unattributed]
         return found
 
     def summary(self) -> str:
@@ -161,7 +176,8 @@ class ChaosReport:
             f"{slowest:.1f} s; faults at {self.faults}; decode RSS "
             f"{self.decode_rss_mib[0]:.0f} -> {self.decode_rss_mib[1]:.0f} MiB "
             f"({self.rss_growth_mib_per_1000:+.1f} MiB per 1,000 requests); failed pulls by "
-            f"kind {self.failed_pulls}; "
+            f"kind {self.failed_pulls}; errors by fault {self.errors_by_fault}, failed pulls by "
+            f"fault {self.failed_pulls_by_fault}; "
             f"{'two hosts, link slowed' if self.two_hosts else 'loopback, no link fault'}"
             + "".join(f"\n  HTTP {status}: {body}" for status, body in samples.items())
         )
@@ -368,6 +384,7 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
         faults_done = threading.Event()
         lock = threading.Lock()
         load_started = time.monotonic()
+        load_started_wall = datetime.datetime.now()
 
         def worker() -> None:
             while not (faults_done.is_set() and len(outcomes) >= settings.requests):
@@ -421,6 +438,7 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
             injector.result()
             for future in clients:
                 future.result()
+        load_end = since()
         if network is not None:
             network.set_link(0.0, None)
 
@@ -452,7 +470,8 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
                 leaked[role] = usage
         rss_after = rss_mib(pd.decode.pid)
         failed_pulls = pd.failed_pulls_by_kind()
-    return ChaosReport(
+        decode_log = pd.decode.log_path.read_text(errors="replace")
+    report = ChaosReport(
         asdict(settings),
         two_hosts,
         outcomes,
@@ -463,6 +482,39 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
         dead,
         failed_pulls,
     )
+    attribute(report, load_started, load_started_wall, load_end, decode_log)
+    return report
+
+
+#: How long after a fault ends it may still cause errors: a claim's and a read's timeouts, two
+#: attempts each, and some slack.
+FAULT_LAG_S = 4 * SIDE_CHANNEL_TIMEOUT_S + 10.0
+
+
+def attribute(
+    report: ChaosReport,
+    load_started: float,
+    load_started_wall: datetime.datetime,
+    load_end: float,
+    decode_log: str,
+) -> None:
+    """Fill in which fault caused each error and each of decode's failed pulls."""
+    windows = fault_windows(report.faults, load_end, FAULT_LAG_S)
+    lifetimes = [(o.started - load_started, o.ended - load_started) for o in report.errors]
+    report.errors_by_fault = count_by_cause(lifetimes, windows)
+    pulls = failed_pulls(decode_log, load_started_wall)
+    report.failed_pulls_by_fault = count_by_cause(
+        [(pull.seconds - 1, pull.seconds + 1) for pull in pulls],
+        windows,  # whole-second stamps
+    )
+    for o, (start, end) in zip(report.errors, lifetimes, strict=True):
+        if causes(start, end, windows) == [UNATTRIBUTED]:
+            report.unattributed.append(f"an error at {start:.1f}-{end:.1f} s: {o}")
+    for pull in pulls:
+        if causes(pull.seconds - 1, pull.seconds + 1, windows) == [UNATTRIBUTED]:
+            report.unattributed.append(
+                f"a failed pull at {pull.seconds:.0f} s ({pull.kind}): {pull.reason[:200]}"
+            )
 
 
 def main() -> None:
