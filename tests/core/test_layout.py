@@ -13,6 +13,7 @@ from vllm_ascend_mooncake.core.layout import (
     describe_split_kv_tensor,
     describe_vllm_layer_view,
     head_chunk_token_bytes,
+    kernel_block_ids,
 )
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE = 5, 2, 32, 64
@@ -203,3 +204,13 @@ def test_chunk_bytes_per_token_follow_the_geometry_not_the_last_dimension() -> N
     assert head_chunk_token_bytes(cache.shape, cache.stride(), 4, block_size=64) is None
     five = torch.zeros(3, 2, 32, 2, 64)
     assert head_chunk_token_bytes(five.shape, five.stride(), 4, block_size=32) is None
+
+
+def test_kernel_block_ids_drop_the_last_engine_blocks_unused_kernel_blocks() -> None:
+    """Engine blocks of 4 kernel blocks of 32 tokens: a 300-token prompt fills engine blocks
+    5 and 9 (128 tokens each) and 44 tokens of engine block 2, i.e. two of its kernel blocks."""
+    assert kernel_block_ids([5, 9, 2], 4, 32, 300) == [20, 21, 22, 23, 36, 37, 38, 39, 8, 9]
+    assert kernel_block_ids([2], 4, 32, 300) == [8, 9]  # a suffix (decode's uncached blocks)
+    assert kernel_block_ids([5, 9, 2], 4, 32, 384) == [*range(20, 24), *range(36, 40), 8, 9, 10, 11]
+    assert kernel_block_ids([5, 2], 4, 32, None) == [20, 21, 22, 23, 8, 9, 10, 11]
+    assert kernel_block_ids([5, 2], 1, 32, 7) == [5, 2]

@@ -101,11 +101,9 @@ def plan_request(
     else:
         planner = plan_equal_block_sizes
     local_ids = _in_kernel_blocks(local_block_ids, local_regions, num_tokens, "decode")
-    remote_ids = remote_block_ids
-    for pull in pulls:  # every peer of a request is one prefill instance: one kernel block
-        peer = remote_regions.get(pull.prefill_rank) or ()
-        remote_ids = _in_kernel_blocks(remote_block_ids, peer, num_tokens, "prefill")
-        break
+    # every peer of a request is a rank of one prefill instance: its regions are cut alike
+    first_peer = remote_regions.get(pulls[0].prefill_rank, ()) if pulls else ()
+    remote_ids = _in_kernel_blocks(remote_block_ids, first_peer, num_tokens, "prefill")
     return planner(pulls, local_regions, remote_regions, local_ids, remote_ids, options, num_tokens)
 
 

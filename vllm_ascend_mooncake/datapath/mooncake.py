@@ -71,7 +71,7 @@ SETTLE_TIMEOUTS = 3
 # is enforced; Mooncake's docs ask for 2 MiB-aligned device addresses under HCCS, which
 # vllm-ascend's caches are (``_allocate_int8_cache_tensor``) and :func:`.registration.
 # kv_memory_ranges` keeps (it registers the views, not their unaligned storage). So nothing is
-# checked here that Mooncake would let through, and nothing it would refuse is let through.
+# refused here that Mooncake would accept; an address off 2 MiB is only warned about.
 
 
 class MooncakeTransport:
