@@ -456,3 +456,33 @@ def test_decode_refuses_a_prefill_block_size_that_does_not_divide(remote_block_s
     req = request("d-9", 70, params)
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_a_prefill_engine_found_unpairable_is_computed_locally_from_then_on() -> None:
+    """Issue #44 item 3: a pull that found a prefill engine unpairable (its cache geometry cannot
+    be combined with decode's) fails once; every later request that engine prefilled is
+    computed on decode, its hold released, instead of failing the same way."""
+    d = scheduler("kv_consumer")
+    engine = prefill_params(70)["remote_engine_id"]
+    before = request("d-20", 70, prefill_params(70))
+    assert d.get_num_new_matched_tokens(before, 0) == (70, True)
+    d.note_unpairable(engine, "block size 32 on prefill vs 64 on decode ...")
+    after = request("d-21", 70, {**prefill_params(70), "remote_request_id": "p-21"})
+    assert d.get_num_new_matched_tokens(after, 0) == (0, False)
+    assert after.kv_transfer_params["do_remote_prefill"] is False
+    pulls = d.build_step_orders().pulls
+    assert [(p.transfer_id, p.release_only) for p in pulls] == [("p-21", True)]
+    other = {**prefill_params(70), "remote_request_id": "p-22", "remote_engine_id": "restarted"}
+    assert d.get_num_new_matched_tokens(request("d-22", 70, other), 0) == (70, True)
+
+
+def test_workers_tell_the_scheduler_side_which_prefill_engines_are_unpairable() -> None:
+    """The worker's stats carry each unpairable engine to the scheduler process (vLLM hands the
+    workers' stats to ``update_connector_output``); nothing else is kept there."""
+    from vllm_ascend_mooncake.connector.stats import TransferStats
+
+    stats = TransferStats()
+    stats.record_unpairable("prefill-x", "head size differs")
+    taken = stats.take()
+    assert taken is not None and taken.unpairable_engines() == [("prefill-x", "head size differs")]
+    assert taken.reduce()["Num failed pulls"] == 0

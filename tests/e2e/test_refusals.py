@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pd_checks import assert_extra_prefill_clean
+from pd_checks import (
+    assert_extra_prefill_clean,
+    assert_same,
+    complete,
+    complete_like_vllm_example_proxy,
+    metric,
+)
 
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import ServerError
@@ -58,3 +64,57 @@ def test_decode_refuses_to_start_beside_a_prefill_of_another_dtype_and_block_siz
         assert_extra_prefill_clean(pd.prefill.base_url, "the refused prefill")
     finally:
         pd.stop()
+
+
+def test_an_incompatible_prefill_not_paired_at_start_fails_once_then_decode_computes(
+    tmp_path,
+) -> None:
+    """Issue #44 item 3: the same mismatch (96- vs 64-token blocks) where decode was not told of
+    the prefill at start-up (no ``prefill_side_channels``). Its first pull finds the pair
+    unpairable and fails (HTTP 500 under vLLM's default ``kv_load_failure_policy=fail``); from
+    then on decode computes what that prefill engine prefilled, releasing its holds, so later
+    requests are answered, equal to decode's own colocated answers, and no other pull fails.
+    Both instances stay up and every block comes back."""
+    model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2)))
+    spec = DeploymentSpec(
+        model,
+        prefill_tp=1,
+        decode_tp=1,
+        block_size=64,
+        prefill_block_size=96,
+        pair_at_start=False,
+        log_dir=str(tmp_path),
+    )
+    prompts = ["an unpairable prefill", " ".join(f"word{i} of a longer prompt" for i in range(30))]
+    with LocalDeployment(spec) as pd:
+        name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
+        expected = {p: complete(pd.decode.base_url, name, p, cache_salt="colo") for p in prompts}
+        handoff = {"do_remote_decode": True}
+        first = complete(
+            pd.prefill.base_url, name, prompts[0], max_tokens=1, kv_transfer_params=handoff
+        )
+        failed = httpx.post(
+            f"{pd.decode.base_url}/v1/completions",
+            json={
+                "model": name,
+                "prompt": prompts[0],
+                "max_tokens": 4,
+                "temperature": 0,
+                "kv_transfer_params": first["kv_transfer_params"],
+            },
+            timeout=120,
+        )
+        assert failed.status_code == 500, failed.text
+        for prompt in prompts:
+            got = complete_like_vllm_example_proxy(
+                pd.prefill.base_url, pd.decode.base_url, name, prompt
+            )
+            assert_same(got, expected[prompt], "computed on decode after the refusal")
+        assert pd.failed_pulls_by_kind() == {"incompatible_peer": 1}
+        for server in (pd.prefill, pd.decode):
+            assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+        assert_extra_prefill_clean(pd.prefill.base_url, "the unpairable prefill")
+        assert metric(pd.decode.base_url, "vllm:kv_cache_usage_perc") == 0
+        log = (tmp_path / "decode.log").read_text(errors="replace")
+        assert "cannot pair with this decode instance" in log
+        assert "block_size 96 on prefill vs 64 on decode" in log

@@ -131,6 +131,10 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         return StepMetadata(orders)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = connector_output.kv_connector_stats
+        if isinstance(stats, TransferStats):
+            for engine_id, reason in stats.unpairable_engines():
+                self._scheduler.note_unpairable(engine_id, reason)
         self._scheduler.filter_output(connector_output)
 
     def request_finished(

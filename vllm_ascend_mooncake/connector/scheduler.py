@@ -73,6 +73,8 @@ class ConnectorScheduler:
         self._first_seen: dict[str, float] = {}
         self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
         self._warned_loopback: set[str] = set()  # prefill engines already warned about
+        #: prefill engines a pull found unpairable with this decode -> why (bounded, oldest out)
+        self._unpairable: dict[str, str] = {}
         #: prefill: whether this vLLM takes chat prompts as forwarded token ids (see params)
         self._chat_prompt_ids = config.is_producer and chat_takes_forwarded_prompt_ids()
 
@@ -121,10 +123,40 @@ class ConnectorScheduler:
             params["do_remote_prefill"] = False
             self._release_rejected(request)
             return None
+        unpairable = self._unpairable.get(remote.remote_engine_id)
+        if unpairable is not None:
+            logger.info(
+                "request %s: prefill engine %s cannot pair with this decode instance (%s); "
+                "computing the prompt locally",
+                request.request_id,
+                remote.remote_engine_id,
+                unpairable,
+            )
+            params["do_remote_prefill"] = False
+            self._release_rejected(request)
+            return None
         self._remote[request.request_id] = remote
         self._pulling[remote.remote_request_id] = request.request_id
         self._warn_if_unreachable(remote)
         return remote
+
+    def note_unpairable(self, engine_id: str, reason: str) -> None:
+        """A pull found prefill engine ``engine_id`` unpairable with this decode (its model,
+        cache geometry or TP cannot be combined with ours): later requests it prefilled are
+        computed here instead of failing the same way, and its holds released. A prefill that
+        restarts gets a new engine id, so a fixed one is paired again."""
+        if engine_id in self._unpairable:
+            return
+        if len(self._unpairable) >= MAX_UNPAIRABLE_ENGINES:
+            del self._unpairable[next(iter(self._unpairable))]
+        self._unpairable[engine_id] = reason
+        logger.warning(
+            "prefill engine %s cannot pair with this decode instance: %s. Requests it prefills "
+            "are computed here from now on (its holds released); fix the instances "
+            "(docs/troubleshooting.md) or take that prefill out of the router",
+            engine_id,
+            reason,
+        )
 
     def _warn_if_unreachable(self, remote: RemotePrefill) -> None:
         """A prefill advertising loopback to a decode that has a network address is almost
@@ -349,6 +381,10 @@ class ConnectorScheduler:
             )
         except InvalidTransferParams:
             return None
+
+
+#: Unpairable prefill engines a decode remembers (each restart of a prefill is a new engine id).
+MAX_UNPAIRABLE_ENGINES = 1024
 
 
 def _expected(reported: set[str] | None, waiting: set[str], what: str) -> set[str] | None:

@@ -32,6 +32,9 @@ _FIELDS = (
     "failed_pulls",
     "expired_releases",
     "hold_delay_seconds",
+    #: decode: ``[prefill engine id, why]`` of each prefill found unpairable at a pull, for the
+    #: scheduler side (:meth:`~.scheduler.ConnectorScheduler.note_unpairable`)
+    "unpairable_engines",
     *_PHASE_FIELDS,
 )
 #: Fields logged as a mean per interval: (label, field).
@@ -85,6 +88,14 @@ class TransferStats(KVConnectorStats):
         fails); cancellations are not failures."""
         with self._lock:
             self.data["failed_pulls"].append(kind.value)
+
+    def record_unpairable(self, engine_id: str, reason: str) -> None:
+        """Decode: a pull found that prefill engine ``engine_id`` cannot pair with this decode."""
+        with self._lock:
+            self.data["unpairable_engines"].append([engine_id, reason])
+
+    def unpairable_engines(self) -> list[tuple[str, str]]:
+        return [(engine, reason) for engine, reason in self.data.get("unpairable_engines", [])]
 
     def record_expired(self, count: int) -> None:
         if count:
