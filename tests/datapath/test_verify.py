@@ -84,12 +84,32 @@ def outside(ranges: list[tuple[int, int]], blocks=(1, 2)) -> str:
 def test_prefill_checksums_only_the_blocks_the_transfer_holds() -> None:
     assert LAYOUT.block_len == 256
     assert outside([(BASE + 512, 256), (BASE + 512 + 256 + 8, 64)]) == ""  # K and V of block 1
-    assert outside([(BASE + 512, 1024)]) == ""  # a run over blocks 1 and 2
-    assert "this transfer holds" in outside([(BASE + 512, 1536)])  # into block 3
+    assert outside([(BASE + 512, 256 + 512)]) == ""  # K of blocks 1 and 2, with V of 1 between
+    assert "two KV regions" in outside([(BASE + 512, 1024)])  # K of block 1 to V of block 2
+    assert "this transfer holds" in outside([(BASE + 512, 256 + 1024)])  # into block 3
     assert "this transfer holds" in outside([(BASE, 8)])  # block 0
     assert "outside this worker's KV blocks" in outside([(BASE - 8, 16)])
     assert "outside this worker's KV blocks" in outside([(BASE + 4 * 512, 8)])
     assert "no bytes" in outside([(BASE + 512, 0)])
+
+
+# Two dense regions (blocks back to back) of one storage, the second right after the first, as
+# one vLLM layer's K and V caches may lie.
+DENSE = RegionLayout(BlockOrder.TOKEN_MAJOR, 4, 256, 2, 16, 8)
+ADJACENT = [Region("k", BASE, DENSE), Region("v", BASE + 4 * 256, DENSE)]
+
+
+def test_a_range_never_spans_two_regions() -> None:
+    def dense_outside(start: int, length: int) -> str:
+        return ranges_outside(np.array([start]), np.array([length]), ADJACENT, (1, 2))
+
+    assert dense_outside(BASE + 256, 512) == ""  # a run over K's blocks 1 and 2
+    assert dense_outside(BASE + 1024 + 256, 512) == ""  # and over V's
+    # From K's block 1 to V's block 2: both ends in held blocks, but the range covers K's block 3
+    # and V's block 0, which the transfer does not hold (let through before: their checksum
+    # leaked to whoever held a lease on blocks 1 and 2).
+    assert "two KV regions" in dense_outside(BASE + 256, 1536)
+    assert "two KV regions" in dense_outside(BASE + 3 * 256 + 8, 256)  # K's block 3 into V's 0
 
 
 def test_only_the_lessee_may_ask_and_what_it_gets_is_the_checksum() -> None:
