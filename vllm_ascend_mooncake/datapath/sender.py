@@ -49,7 +49,7 @@ from ..core.relayout import LocalMemory
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
 from ..log import get_logger
 from . import verify
-from .side_channel import Park, SideChannelServer
+from .side_channel import Deferred, Park, SideChannelServer
 from .wire import (
     Ack,
     ClaimRead,
@@ -509,7 +509,7 @@ class PrefillSender:
             f"{self.metadata.incarnation} (it restarted; its KV is gone)"
         )
 
-    def _handle(self, message: Message) -> Message | Park:
+    def _handle(self, message: Message) -> Message | Park | Deferred:
         if isinstance(message, GetMetadata):
             return self.metadata
         if isinstance(message, ClaimRead):
@@ -533,11 +533,9 @@ class PrefillSender:
         if isinstance(message, DropHold):
             return self.tracker.drop_unread(message.request_id)
         if isinstance(message, VerifyRead):
-            blocks = self.tracker.leased_blocks(
-                message.request_id, message.decode_rank, message.reader
-            )
-            reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
-            return ErrorReply(reply) if isinstance(reply, str) else reply
+            # A checksum of a batch's GBs takes seconds: off this thread, or every claim and
+            # read-done notice to this worker would wait behind it (issue #43 item a).
+            return Deferred(lambda: self._verify(message))
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)
             if stale is not None:
@@ -568,6 +566,13 @@ class PrefillSender:
                 )
             return Ack()
         return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
+
+    def _verify(self, message: VerifyRead) -> Message:
+        """The checksum ``message`` asks for (on the server's worker pool): the lease is looked
+        up when the work starts, not when the question arrived."""
+        blocks = self.tracker.leased_blocks(message.request_id, message.decode_rank, message.reader)
+        reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
+        return ErrorReply(reply) if isinstance(reply, str) else reply
 
     def suspend(self, reason: str) -> None:
         """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release

@@ -82,7 +82,10 @@ def answer(
     held_blocks: tuple[int, ...] | str,
 ) -> ReadDigest | str:
     """Prefill's answer to ``message``: the checksum, or why not. ``held_blocks``: the transfer's
-    blocks when ``message``'s reader holds the lease, else the reason it may not ask."""
+    blocks when ``message``'s reader holds the lease, else the reason it may not ask.
+
+    A checksum reads the ranges at 0.5-1 GB/s on a CPU: prefill runs it off its side-channel
+    thread (:class:`~.side_channel.Deferred`), and on a device on a stream of its own."""
     if memory is None:
         return "this prefill worker has no KV memory it can checksum"
     if isinstance(held_blocks, str):
@@ -94,7 +97,8 @@ def answer(
     outside = ranges_outside(addrs, lengths, regions, held_blocks)
     if outside:
         return outside
-    value = checksum_ranges(memory.view, addrs, lengths)
+    with memory.own_streams():  # never behind the forward on the compute stream
+        value = checksum_ranges(memory.view, addrs, lengths)
     return ReadDigest(value.to_bytes(8, "little"))
 
 
