@@ -139,13 +139,17 @@ class Prefill:
                     index, block, self.heads, region.layout.block_order, region.layout.packing
                 )
         self.transport = InProcessTransport(session)
-        self.side = build_prefill_side(
-            identity("prefill", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
-            topo,
-            self.transport,
-            KVCacheMemory(self.cache.tensors, self.cache.regions),
-            PrefillSettings(HOST, port, release_timeout_s=30.0),
-        )
+        try:
+            self.side = build_prefill_side(
+                identity("prefill", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
+                topo,
+                self.transport,
+                KVCacheMemory(self.cache.tensors, self.cache.regions),
+                PrefillSettings(HOST, port, release_timeout_s=30.0),
+            )
+        except BaseException:
+            self.transport.close()  # its session is free for another try
+            raise
         self.tracker = self.side.sender.tracker
         self.notices: list[tuple[str, int, bool]] = []  # read-done notices, as prefill saw them
         read_done = self.tracker.read_done
@@ -521,6 +525,44 @@ def test_a_peer_whose_reads_keep_hanging_is_tried_ever_less_often_until_replaced
     decode.wait(["r7"])
     assert decode.done == {"r7"}, decode.failed.get("r7")
     decode.check_blocks(c.ref, [3], [4])
+
+
+def test_a_pull_of_a_transfer_prefill_dropped_fails_at_once_saying_why(cluster) -> None:
+    """Issue #43 item f: a transfer prefill no longer holds is refused at once, with the reason
+    it went (a hold the router freed, a prefill aborted before the hand-off, one read already),
+    not after the claim's wait; a claim parked for it is answered the moment it goes."""
+    options = dataclasses.replace(FAST, claim_wait_s=30.0, prefill_wait_s=30.0)
+    c = cluster(4, prefill_tp=1, decode_tp=1, options=options)
+    (decode,), (prefill,) = c.decode, c.prefill
+
+    def failure(request_id: str):
+        decode.wait([request_id], timeout_s=2.0)
+        assert request_id not in decode.done
+        return decode.failed[request_id]
+
+    c.hold("r1", [2, 3])
+    assert prefill.tracker.drop_unread("t-r1").reason.startswith("freed")  # the client left
+    started = time.monotonic()
+    decode.receiver.submit(c.order("r1", [1, 2], [2, 3]))
+    gone = failure("r1")
+    assert gone.kind is FailureKind.REFUSED
+    assert "router" in gone.reason and "client left" in gone.reason, gone.reason
+
+    decode.receiver.submit(c.order("r2", [1, 2], [2, 3], early=True))  # waits for prefill
+    time.sleep(0.2)
+    prefill.tracker.drop("t-r2")  # prefill aborted it: no hand-off
+    aborted = failure("r2")
+    assert aborted.kind is FailureKind.REFUSED
+    assert "without a hand-off" in aborted.reason, aborted.reason
+
+    c.pull("r3", [4], [5])
+    decode.wait(["r3"])
+    assert decode.done == {"r3"}
+    assert c.freed(prefill, "r3")
+    again = dataclasses.replace(c.order("r4", [6], [5]), transfer_id="t-r3")  # read already
+    decode.receiver.submit(again)
+    assert "every decode rank that reads it was done" in failure("r4").reason
+    assert time.monotonic() - started < 5.0  # not claim_wait_s
 
 
 def test_a_release_only_pull_frees_prefill_and_is_never_reported(cluster) -> None:
