@@ -56,6 +56,11 @@ DEFAULT_IDLE_STEP_WAIT_MS = 10.0
 #: that prefill at once for this long (its circuit is open), then tries one again: the pulls
 #: queued for it end at once instead of each costing the read's timeouts and a quarantine.
 PEER_COOLDOWN_S = 10.0
+#: Each further read in a row that never settles doubles the cool-down, up to this: a prefill
+#: whose data path stays frozen while its side channel answers costs one quarantined read (its
+#: decode blocks and a staging area, kept until restart) per this long, not per 10 s plus the
+#: read's timeouts. A read that lands, or a new incarnation of the peer, ends the back-off.
+PEER_COOLDOWN_MAX_S = 640.0
 #: Before vLLM's sleep mode discards the KV cache, the longest a decode worker waits for its reads
 #: under way to settle (Mooncake's own transfer timeout, ``MC_TRANSFER_TIMEOUT``, is 30 s).
 SLEEP_DRAIN_S = 30.0

@@ -37,6 +37,7 @@ from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
 from vllm_ascend_mooncake.datapath.registration import (
     kv_memory_ranges,
 )
+from vllm_ascend_mooncake.datapath.side_channel import SideChannelError
 from vllm_ascend_mooncake.datapath.transport import TransferError
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
@@ -117,7 +118,16 @@ class Prefill:
     in-process transport."""
 
     def __init__(
-        self, topo, rank, port, ref, token_major, mla_widths=(), block_size=BLOCK_SIZE, packing=()
+        self,
+        topo,
+        rank,
+        port,
+        ref,
+        token_major,
+        mla_widths=(),
+        block_size=BLOCK_SIZE,
+        packing=(),
+        session=None,
     ) -> None:
         self.heads = owned_heads(topo.num_kv_heads, topo.prefill_tp, rank, topo.is_mla)
         self.cache = cache(
@@ -128,14 +138,18 @@ class Prefill:
                 self.cache.block(index, block)[:] = ref.expected_block(
                     index, block, self.heads, region.layout.block_order, region.layout.packing
                 )
-        self.transport = InProcessTransport()
-        self.side = build_prefill_side(
-            identity("prefill", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
-            topo,
-            self.transport,
-            KVCacheMemory(self.cache.tensors, self.cache.regions),
-            PrefillSettings(HOST, port, release_timeout_s=30.0),
-        )
+        self.transport = InProcessTransport(session)
+        try:
+            self.side = build_prefill_side(
+                identity("prefill", topo, rank, block_size, sum(mla_widths) or HEAD_SIZE),
+                topo,
+                self.transport,
+                KVCacheMemory(self.cache.tensors, self.cache.regions),
+                PrefillSettings(HOST, port, release_timeout_s=30.0),
+            )
+        except BaseException:
+            self.transport.close()  # its session is free for another try
+            raise
         self.tracker = self.side.sender.tracker
         self.notices: list[tuple[str, int, bool]] = []  # read-done notices, as prefill saw them
         read_done = self.tracker.read_done
@@ -453,6 +467,102 @@ def test_an_unsettled_read_is_never_reported_nor_retried(cluster) -> None:
     decode.wait(["r3"])
     assert decode.done == {"r3"}
     decode.check_blocks(c.ref, [3], [4])
+
+
+def test_a_peer_whose_reads_keep_hanging_is_tried_ever_less_often_until_replaced(cluster) -> None:
+    """Issue #43 item c: a prefill whose data path stays frozen while its side channel answers
+    cost one quarantined read (its decode blocks, a staging area) per cool-down, for ever: each
+    further unsettled read in a row now doubles the cool-down (up to peer_cooldown_max_s), and a
+    new incarnation behind the same transport session starts afresh."""
+    cooldown = 0.5
+    options = dataclasses.replace(FAST, peer_cooldown_s=cooldown, peer_cooldown_max_s=2 * cooldown)
+    c = cluster(4, prefill_tp=1, decode_tp=1, options=options)
+    (decode,), (prefill,) = c.decode, c.prefill
+    session = prefill.transport.session
+    decode.transport.fail_reads(None, peer=session, unsettled=True)  # frozen data path
+
+    def pull(request_id: str) -> str:
+        """Whether the pull was read (and, never settling, quarantined: never reported) or
+        failed at once, its circuit open."""
+        reads = decode.transport.num_reads
+        c.pull(request_id, [1], [2])
+        deadline = time.monotonic() + 5
+        while not any(n[0] == f"t-{request_id}" for n in prefill.notices):  # the read ended
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        if decode.transport.num_reads > reads:
+            return "quarantined"
+        decode.wait([request_id])
+        return "failed at once"
+
+    assert pull("r1") == "quarantined"  # strike 1: closed for 0.5 s
+    time.sleep(1.5 * cooldown)
+    assert pull("r2") == "quarantined"  # the probe after the cool-down hangs too: 1 s now
+    time.sleep(1.5 * cooldown)
+    assert pull("r3") == "failed at once"  # was: read, and quarantined, every 0.5 s
+    assert "circuit is open" in decode.failed["r3"].reason
+    assert decode.transport.num_reads == 2
+    time.sleep(cooldown)
+    assert pull("r4") == "quarantined"  # strike 3: capped at 1 s
+    time.sleep(1.5 * cooldown)
+    assert pull("r5") == "failed at once"
+    time.sleep(cooldown)
+    assert pull("r6") == "quarantined"
+    assert decode.transport.num_reads == 4
+
+    # The prefill restarts behind the same transport session, its data path sound: read at once.
+    prefill.close()
+    deadline = time.monotonic() + 5
+    while True:  # ZMQ frees the old side channel's port in its own time
+        try:
+            c.prefill[0] = prefill = Prefill(c.topo, 0, c.port, c.ref, False, session=session)
+            break
+        except SideChannelError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    decode.transport.clear_faults()
+    c.pull("r7", [3], [4])
+    decode.wait(["r7"])
+    assert decode.done == {"r7"}, decode.failed.get("r7")
+    decode.check_blocks(c.ref, [3], [4])
+
+
+def test_a_pull_of_a_transfer_prefill_dropped_fails_at_once_saying_why(cluster) -> None:
+    """Issue #43 item f: a transfer prefill no longer holds is refused at once, with the reason
+    it went (a hold the router freed, a prefill aborted before the hand-off, one read already),
+    not after the claim's wait; a claim parked for it is answered the moment it goes."""
+    options = dataclasses.replace(FAST, claim_wait_s=30.0, prefill_wait_s=30.0)
+    c = cluster(4, prefill_tp=1, decode_tp=1, options=options)
+    (decode,), (prefill,) = c.decode, c.prefill
+
+    def failure(request_id: str):
+        decode.wait([request_id], timeout_s=2.0)
+        assert request_id not in decode.done
+        return decode.failed[request_id]
+
+    c.hold("r1", [2, 3])
+    assert prefill.tracker.drop_unread("t-r1").reason.startswith("freed")  # the client left
+    started = time.monotonic()
+    decode.receiver.submit(c.order("r1", [1, 2], [2, 3]))
+    gone = failure("r1")
+    assert gone.kind is FailureKind.REFUSED
+    assert "router" in gone.reason and "client left" in gone.reason, gone.reason
+
+    decode.receiver.submit(c.order("r2", [1, 2], [2, 3], early=True))  # waits for prefill
+    time.sleep(0.2)
+    prefill.tracker.drop("t-r2")  # prefill aborted it: no hand-off
+    aborted = failure("r2")
+    assert aborted.kind is FailureKind.REFUSED
+    assert "without a hand-off" in aborted.reason, aborted.reason
+
+    c.pull("r3", [4], [5])
+    decode.wait(["r3"])
+    assert decode.done == {"r3"}
+    assert c.freed(prefill, "r3")
+    again = dataclasses.replace(c.order("r4", [6], [5]), transfer_id="t-r3")  # read already
+    decode.receiver.submit(again)
+    assert "every decode rank that reads it was done" in failure("r4").reason
+    assert time.monotonic() - started < 5.0  # not claim_wait_s
 
 
 def test_a_release_only_pull_frees_prefill_and_is_never_reported(cluster) -> None:

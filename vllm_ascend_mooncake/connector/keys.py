@@ -526,8 +526,11 @@ KEYS: tuple[Key, ...] = (
             " serves."
         ),
         details=(
-            "A mismatch (corruption in flight, bytes that landed elsewhere, blocks changed under "
-            "the read) fails the pull, counted and logged, instead of loading wrong KV. It costs a "
+            "A mismatch (corruption in flight, a planned destination written short or not at all, "
+            "blocks changed under the read) fails the pull, counted and logged, instead of loading "
+            "wrong KV. It checks the transport's copy of the ranges the plan chose, not the plan: "
+            "a wrong offset or block chosen by the planner, and the copies and swaps that run after"
+            " the bytes land, pass unseen (datapath/verify.py). It costs a "
             "side-channel round trip per batch and a checksum pass over the bytes on both sides, on"
             " the KV's own device (benchmarks/README.md); both sides must run a version that knows "
             "it."

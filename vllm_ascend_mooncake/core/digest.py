@@ -2,8 +2,10 @@
 
 The optional end-to-end integrity check (``verify_reads``) compares, for every batch of a pull,
 the checksum of the ranges prefill serves with that of the ranges they landed in on decode,
-before the pull is reported: a corruption in flight, bytes that landed elsewhere, or blocks that
-changed under the read become a failed pull instead of silently wrong KV.
+before the pull is reported: a corruption in flight, bytes that did not land where the plan put
+them, or blocks that changed under the read become a failed pull. Both sides checksum the ranges
+the plan chose, so a wrong plan, and the copies and swaps after landing, are not covered
+(:mod:`~..datapath.verify` says exactly what is).
 
 The ranges are one stream of little-endian 64-bit words (each range zero-padded to a whole word):
 the checksum is ``sum(word[p] * (p * A + B)) mod 2**64``. Every weight is odd, so any change of a

@@ -20,9 +20,10 @@ has finished when it returns and the fence costs nothing.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,6 +97,31 @@ class LocalMemory:
             if offset + length <= buffer.numel():
                 return buffer, offset
         raise ValueError(f"[{addr:#x}, +{length}) is not inside one registered local buffer")
+
+    @contextlib.contextmanager
+    def own_streams(self) -> Iterator[None]:
+        """Run the block's device work on streams of this thread's own (one per device of this
+        memory, kept for reuse), not on the device's default stream: a sum ended by ``.item()``
+        then waits for its own kernels only, never behind the model's forward queued on the
+        compute stream. For reading bytes no queued kernel writes (a held prefill block, whose
+        forward finished before vLLM handed the request over): nothing orders the work after
+        the compute stream's. A no-op on CPU, and where the device module has no ``Stream``.
+
+        Tested on CPU only (where it does nothing); that a CUDA or NPU checksum no longer waits
+        for a long kernel on the compute stream needs a device to show."""
+        with contextlib.ExitStack() as stack:
+            streams = self._scratch.__dict__.setdefault("streams", {})
+            for device in self._devices:
+                import torch
+
+                module = getattr(torch, device.type, None)  # torch.npu once torch_npu is loaded
+                if module is None or not hasattr(module, "Stream") or not hasattr(module, "stream"):
+                    continue
+                stream = streams.get(device)
+                if stream is None:
+                    stream = streams[device] = module.Stream(device=device)
+                stack.enter_context(module.stream(stream))
+            yield
 
     def scratch(self, length: int, device: torch.device) -> torch.Tensor:
         """A per-thread temporary of at least ``length`` bytes on ``device``, kept for reuse."""

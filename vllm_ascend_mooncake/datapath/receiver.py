@@ -53,6 +53,7 @@ from ..defaults import (
     DEFAULT_PREFILL_WAIT_S,
     DEFAULT_READ_RETRIES,
     DEFAULT_RECEIVER_THREADS,
+    PEER_COOLDOWN_MAX_S,
     PEER_COOLDOWN_S,
 )
 from ..log import get_logger
@@ -95,6 +96,8 @@ class ReceiverOptions:
     claim_park_s: float = DEFAULT_CLAIM_PARK_S
     #: how long reads from a prefill that left a read unsettled fail at once (circuit open)
     peer_cooldown_s: float = PEER_COOLDOWN_S
+    #: ... doubled per unsettled read in a row from that prefill, up to this
+    peer_cooldown_max_s: float = PEER_COOLDOWN_MAX_S
     claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
     # extra attempts for a failed batch read (transient transport errors)
     read_retries: int = DEFAULT_READ_RETRIES
@@ -104,6 +107,15 @@ class ReceiverOptions:
     notify_backoff_s: float = 1.0  # wait before retry n is n times this
     #: compare every read batch's checksum with prefill's before reporting (:mod:`.verify`)
     verify_reads: bool = False
+
+
+@dataclass
+class _Circuit:
+    """A prefill transport whose reads left bytes in flight lately (a frozen data path)."""
+
+    incarnation: str  # the peer process those reads went to
+    strikes: int  # unsettled reads in a row (each one quarantined a pull)
+    until: float  # reads fail at once until then (``time.monotonic``)
 
 
 @dataclass(frozen=True)
@@ -234,8 +246,9 @@ class Receiver:
         # it and have not sent their read-done notice: only the last one sends it, so a second
         # pull of one transfer (a router retrying the decode leg) never reads released blocks.
         self._readers: dict[tuple[str, str, int], int] = {}
-        #: prefill transport session -> until when its reads fail at once (PEER_COOLDOWN_S)
-        self._open_circuits: dict[str, float] = {}
+        #: prefill transport session -> its reads that never settled lately: they fail at once
+        #: for a cool-down doubled per such read in a row (PEER_COOLDOWN_S .. _MAX_S)
+        self._open_circuits: dict[str, _Circuit] = {}
         #: why pulls fail at once while vLLM's sleep mode has the KV cache (None: awake)
         self._suspended: str | None = None
         self._dispatcher = threading.Thread(
@@ -566,10 +579,7 @@ class Receiver:
             )
             return
         if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
-            with self._lock:
-                self._open_circuits[peer.transport_session] = (
-                    time.monotonic() + self._options.peer_cooldown_s
-                )
+            self._open_circuit(peer)
             state.quarantined = True
         self._peers.invalidate(peer.host, peer.port)
         logger.warning(
@@ -581,11 +591,30 @@ class Receiver:
             exc,
         )
 
-    def _check_circuit(self, session: str) -> None:
-        """Fail at once while ``session``'s circuit is open (a read from it never settled)."""
+    def _open_circuit(self, peer: LeasedPeer) -> None:
+        """A read from ``peer`` never settled: fail its reads at once for a cool-down, doubled
+        for each such read in a row (the one read let through after a cool-down is the probe;
+        if it hangs too, the next wait is twice as long), never past ``peer_cooldown_max_s``."""
+        options = self._options
         with self._lock:
-            until = self._open_circuits.get(session)
-        left = until - time.monotonic() if until is not None else 0.0
+            circuit = self._open_circuits.get(peer.transport_session)
+            if circuit is None or circuit.incarnation != peer.incarnation:
+                circuit = _Circuit(peer.incarnation, 0, 0.0)
+                self._open_circuits[peer.transport_session] = circuit
+            circuit.strikes += 1
+            cooldown = options.peer_cooldown_s * 2 ** min(circuit.strikes - 1, 32)
+            circuit.until = time.monotonic() + min(cooldown, options.peer_cooldown_max_s)
+
+    def _check_circuit(self, peer: LeasedPeer) -> None:
+        """Fail at once while ``peer``'s circuit is open (a read from it never settled); a new
+        incarnation of the peer (restarted behind the same transport session) starts afresh."""
+        session = peer.transport_session
+        with self._lock:
+            circuit = self._open_circuits.get(session)
+            if circuit is not None and circuit.incarnation != peer.incarnation:
+                del self._open_circuits[session]  # replaced: not the process that froze
+                circuit = None
+        left = circuit.until - time.monotonic() if circuit is not None else 0.0
         if left > 0:
             raise PullError(
                 FailureKind.PEER_UNAVAILABLE,
@@ -598,7 +627,7 @@ class Receiver:
         A pull cancelled or cut short by sleep mode while its reads waited in the peer's lane
         reads no further batch: sleep unregisters the memory they would land in."""
         self._check_cancelled(pull)
-        self._check_circuit(peer.transport_session)
+        self._check_circuit(peer)
         if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
             self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
 

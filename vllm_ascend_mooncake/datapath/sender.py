@@ -49,7 +49,7 @@ from ..core.relayout import LocalMemory
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
 from ..log import get_logger
 from . import verify
-from .side_channel import Park, SideChannelServer
+from .side_channel import Deferred, Park, SideChannelServer
 from .wire import (
     Ack,
     ClaimRead,
@@ -77,6 +77,10 @@ MAX_HOLD_TIMEOUTS = 4
 MAX_EARLY_NOTICES = 1 << 16
 #: The longest a pending claim is held open before it is answered "pending" anyway.
 MAX_CLAIM_PARK_S = 5.0
+#: Why a transfer went, as a later claim or renewal is told (with the others at their release).
+_DROPPED = "the router freed it: its client left, so the decode request was aborted"
+_EXPIRED = "its release timeout passed before every decode rank had read it"
+_ASLEEP = "released for vLLM's sleep mode"
 
 
 @dataclass
@@ -116,8 +120,9 @@ class SendTracker:
         # Both remember entries in the order they were added, which is their order of expiry
         # (each is forgotten a fixed time after it was added): expiring looks at the oldest only.
         self._early: OrderedDict[str, tuple[set[int], float, int]] = OrderedDict()
-        # transfer id -> (vLLM request id, forget after); "" for a dropped request
-        self._released: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # transfer id -> (vLLM request id, forget after, why it went: what a late claim is told);
+        # "" for a dropped request
+        self._released: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
         self._finished: set[str] = set()
         self.num_expired = 0
         self._expired_reported = 0
@@ -171,13 +176,13 @@ class SendTracker:
                     self._news.notify_all()
                 return
             if self._suspended is not None:  # its bytes are about to be discarded
-                self._release(transfer_id, request_id)
+                self._release(transfer_id, request_id, _ASLEEP)
                 return
             early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
             topology = self._reader_topology(early_tp) or self._topology
             readers = set(topology.readers_of(self._rank, request_seed(transfer_id))) - early
             if not readers:
-                self._release(transfer_id, request_id)
+                self._release(transfer_id, request_id, "every decode rank that reads it was done")
                 return
             now = self._clock()
             self._held[transfer_id] = _Held(
@@ -238,7 +243,8 @@ class SendTracker:
             if transfer_id not in self._held:
                 self._early.pop(transfer_id, None)
                 forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                self._released.setdefault(transfer_id, ("", forget))
+                why = "prefill failed or was aborted: it ended without a hand-off"
+                self._released.setdefault(transfer_id, ("", forget, why))
         if self.on_change is not None:
             self.on_change(transfer_id)
 
@@ -263,9 +269,8 @@ class SendTracker:
             held = self._held.get(transfer_id)
             if held is None:
                 if transfer_id in self._released:
-                    return ClaimReply(
-                        "refused", reason="its blocks were already released (or prefill failed)"
-                    )
+                    why = self._released[transfer_id][2]
+                    return ClaimReply("refused", reason=f"its blocks were already released: {why}")
                 return ClaimReply("pending", reason="prefill has not finished it yet")
             if held.lessees.get(decode_rank, reader) != reader:
                 return ClaimReply(
@@ -275,7 +280,7 @@ class SendTracker:
             if refusal is not None:
                 if held.decode_tp is None:  # nobody else reads it: free it now
                     del self._held[transfer_id]
-                    self._release(transfer_id, held.request_id)
+                    self._release(transfer_id, held.request_id, refusal)
                 return ClaimReply("refused", reason=refusal)
             if decode_rank not in held.readers_left:
                 return ClaimReply("refused", reason=f"decode rank {decode_rank} is not a reader")
@@ -325,7 +330,8 @@ class SendTracker:
             held = self._held.get(transfer_id)
             if held is None:
                 if transfer_id in self._released:
-                    return ClaimReply("refused", reason="it was read or released already")
+                    why = self._released[transfer_id][2]
+                    return ClaimReply("refused", reason=f"it was read or released already: {why}")
                 return ClaimReply("pending", reason="prefill does not hold it (yet)")
             held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
             if held.deadline <= now:
@@ -346,10 +352,10 @@ class SendTracker:
             if held.lessees:
                 return ClaimReply("held", reason="a decode rank holds a lease on it")
             del self._held[transfer_id]
-            self._release(transfer_id, held.request_id)
+            self._release(transfer_id, held.request_id, _DROPPED)
         if self.on_change is not None:
             self.on_change(transfer_id)
-        return ClaimReply("refused", reason="freed: the router's client left")
+        return ClaimReply("refused", reason=f"freed: {_DROPPED}")
 
     def read_done(
         self,
@@ -391,17 +397,20 @@ class SendTracker:
                 held.failed_readers.add(decode_rank)
             if not held.readers_left:
                 del self._held[transfer_id]
-                self._release(transfer_id, held.request_id)
+                why = "every decode rank that reads it was done (read it, or gave up)"
+                self._release(transfer_id, held.request_id, why)
             elif self._suspended is not None:
                 self._news.notify_all()  # suspend waits for leases to end
         return True
 
-    def _release(self, transfer_id: str, request_id: str) -> None:
-        """Report the request finished (caller holds the lock) and refuse later claims."""
+    def _release(self, transfer_id: str, request_id: str, why: str) -> None:
+        """Report the request finished (caller holds the lock) and refuse later claims, telling
+        them ``why``."""
         self._finished.add(request_id)
         self._news.notify_all()
         self._released.pop(transfer_id, None)  # re-added at the end: the order stays expiry order
-        self._released[transfer_id] = (request_id, self._clock() + MEMORY_TIMEOUTS * self._timeout)
+        forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+        self._released[transfer_id] = (request_id, forget, why)
 
     def suspend(self, reason: str, timeout_s: float) -> None:
         """Stop serving before the KV cache is discarded: refuse claims with ``reason``, release
@@ -413,7 +422,7 @@ class SendTracker:
             for transfer_id, held in list(self._held.items()):
                 if not held.lessees:
                     del self._held[transfer_id]
-                    self._release(transfer_id, held.request_id)
+                    self._release(transfer_id, held.request_id, _ASLEEP)
             while self._held:
                 now = self._clock()
                 until = min(give_up, max(held.deadline for held in self._held.values()))
@@ -422,7 +431,7 @@ class SendTracker:
                 self._news.wait(until - now)
             for transfer_id, held in list(self._held.items()):
                 del self._held[transfer_id]
-                self._release(transfer_id, held.request_id)
+                self._release(transfer_id, held.request_id, _ASLEEP)
                 logger.warning(
                     "released KV blocks of request %s for sleep while decode rank(s) %s still "
                     "held a lease",
@@ -444,7 +453,7 @@ class SendTracker:
             for transfer_id, held in list(self._held.items()):
                 if held.deadline <= now:
                     del self._held[transfer_id]
-                    self._release(transfer_id, held.request_id)
+                    self._release(transfer_id, held.request_id, _EXPIRED)
                     self.num_expired += 1
                     logger.warning(
                         "released KV blocks of request %s after its deadline: decode rank(s) %s "
@@ -509,7 +518,7 @@ class PrefillSender:
             f"{self.metadata.incarnation} (it restarted; its KV is gone)"
         )
 
-    def _handle(self, message: Message) -> Message | Park:
+    def _handle(self, message: Message) -> Message | Park | Deferred:
         if isinstance(message, GetMetadata):
             return self.metadata
         if isinstance(message, ClaimRead):
@@ -533,11 +542,9 @@ class PrefillSender:
         if isinstance(message, DropHold):
             return self.tracker.drop_unread(message.request_id)
         if isinstance(message, VerifyRead):
-            blocks = self.tracker.leased_blocks(
-                message.request_id, message.decode_rank, message.reader
-            )
-            reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
-            return ErrorReply(reply) if isinstance(reply, str) else reply
+            # A checksum of a batch's GBs takes seconds: off this thread, or every claim and
+            # read-done notice to this worker would wait behind it (issue #43 item a).
+            return Deferred(lambda: self._verify(message))
         if isinstance(message, ReadDone):
             stale = self._stale(message.incarnation)
             if stale is not None:
@@ -568,6 +575,13 @@ class PrefillSender:
                 )
             return Ack()
         return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
+
+    def _verify(self, message: VerifyRead) -> Message:
+        """The checksum ``message`` asks for (on the server's worker pool): the lease is looked
+        up when the work starts, not when the question arrived."""
+        blocks = self.tracker.leased_blocks(message.request_id, message.decode_rank, message.reader)
+        reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
+        return ErrorReply(reply) if isinstance(reply, str) else reply
 
     def suspend(self, reason: str) -> None:
         """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release

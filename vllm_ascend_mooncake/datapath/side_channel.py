@@ -2,6 +2,8 @@
 
 The server (a ROUTER socket on ``host:port``) answers metadata requests and receives read-done
 notifications; a malformed or hostile message gets an error reply and never stops the thread. A
+handler may hand slow work (a checksum) to the server's small worker pool as :class:`Deferred`:
+the reply goes out, from the server thread, when it is done, and nothing else waits for it. A
 handler may :class:`Park` a request it cannot answer yet (a read claim for a request prefill is
 still computing): the server asks the handler again whenever :meth:`SideChannelServer.wake` is
 called, and sends the park's fallback reply at its deadline. The peer thus gets its answer the
@@ -29,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -144,7 +147,17 @@ class Park:
     key: str = ""
 
 
-Handler = Callable[[Message], "Message | Park"]
+@dataclass(frozen=True)
+class Deferred:
+    """A handler's "answer this off the server thread": ``work`` runs on the server's small
+    worker pool (a checksum over GBs of KV would hold every claim and read-done notice behind it
+    on the one server thread), and its reply is sent when it is done, by the server thread, the
+    only one that ever touches the server's socket (ZMQ sockets are not thread-safe)."""
+
+    work: Callable[[], Message]
+
+
+Handler = Callable[[Message], "Message | Park | Deferred"]
 #: The frames before a message's empty delimiter: the sender's identity, then an optional tag.
 Route = tuple[bytes, ...]
 #: The longest tag a request may carry (the reply echoes it).
@@ -152,7 +165,14 @@ MAX_TAG_BYTES = 32
 
 #: Parked requests beyond this many are answered with their fallback at once (hostile peers).
 MAX_PARKED = 4096
+#: Threads that run deferred work (:class:`Deferred`), and the most deferred requests queued or
+#: running at once: beyond it a request is refused at once ("busy"), never queued without bound
+#: (one checksum per decode rank and pull in flight is the most a well-behaved decode asks).
+DEFERRED_WORKERS = 2
+MAX_DEFERRED = 64
 _POLL_MS = 100
+#: The wake a finished deferred request sends (parked requests' keys are ``=key`` or ``*``).
+_DONE_WAKE = b"!"
 
 
 class SideChannelServer:
@@ -195,17 +215,56 @@ class SideChannelServer:
         self._wake_out.connect(wake_address)
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
+        self._workers = ThreadPoolExecutor(DEFERRED_WORKERS, thread_name_prefix=f"{name}-work")
+        #: deferred requests queued or running; their replies, ready for the server thread
+        self._deferred = 0
+        self._done: list[tuple[Route, Message]] = []
+        self._done_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def wake(self, key: str | None = None) -> None:
         """Ask the handler again about the parked requests waiting for ``key`` (all of them
         when None); thread-safe and cheap, so a hold does not re-run every parked claim."""
+        self._send_wake(b"*" if key is None else b"=" + key.encode())
+
+    def _send_wake(self, wake: bytes) -> None:
         with self._wake_lock:
             if not self._stop.is_set():
-                # A full queue loses this wake: its claims are answered at their park deadline.
+                # A full queue loses this wake: its claims are answered at their park deadline,
+                # a deferred reply within one poll interval (the loop sends ready ones each round).
                 with contextlib.suppress(zmq.Again):
-                    self._wake_out.send(b"*" if key is None else b"=" + key.encode(), zmq.NOBLOCK)
+                    self._wake_out.send(wake, zmq.NOBLOCK)
+
+    def _defer(self, route: Route, deferred: Deferred) -> None:
+        """Run ``deferred`` on the worker pool; its reply goes out from the server thread."""
+        if self._deferred >= MAX_DEFERRED:
+            self._send(route, ErrorReply(f"busy: {MAX_DEFERRED} requests of this kind in hand"))
+            return
+        self._deferred += 1
+
+        def run() -> None:
+            try:
+                reply = deferred.work()
+            except Exception as exc:  # a bug in the work still answers the request
+                logger.exception("side channel deferred work failed")
+                reply = ErrorReply(bounded_text(f"internal error: {exc}"))
+            with self._done_lock:
+                self._done.append((route, reply))
+            self._send_wake(_DONE_WAKE)
+
+        try:
+            self._workers.submit(run)
+        except RuntimeError:  # shutting down
+            self._deferred -= 1
+
+    def _send_done(self) -> None:
+        """Send the replies of finished deferred requests (server thread only)."""
+        with self._done_lock:
+            done, self._done = self._done, []
+        for route, reply in done:
+            self._deferred -= 1
+            self._send(route, reply)
 
     def _answer(self, route: Route, message: Message, parked: Park | None = None) -> None:
         try:
@@ -213,6 +272,9 @@ class SideChannelServer:
         except Exception as exc:  # a handler bug must not kill the server thread
             logger.exception("side channel handler failed")
             reply = ErrorReply(bounded_text(f"internal error: {exc}"))
+        if isinstance(reply, Deferred):
+            self._defer(route, reply)
+            return
         if isinstance(reply, Park):
             park = parked or reply
             if time.monotonic() < park.deadline and (parked or len(self._parked) < MAX_PARKED):
@@ -256,10 +318,14 @@ class SideChannelServer:
             if self._wake_in in events:
                 while self._wake_in.poll(0):
                     wake = self._wake_in.recv()
+                    if wake == _DONE_WAKE:
+                        continue
                     if wake == b"*" or keys is None:
                         keys = None
                     else:
                         keys.add(wake[1:].decode())
+            if self._done:
+                self._send_done()
             if self._parked and (keys is None or keys or timeout_ms < _POLL_MS):
                 self._answer_parked(keys)
             if self._socket not in events:
@@ -305,6 +371,8 @@ class SideChannelServer:
             self._stop.set()
             self._wake_out.close()
         self._thread.join(timeout=5)
+        # Deferred work still running finishes on its own; its reply is dropped (no socket).
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 def _split_request(frames: list[bytes]) -> tuple[Route, bytes, bytes | None] | None:

@@ -2,13 +2,27 @@
 
 After each read batch lands, decode asks prefill (:class:`~.wire.VerifyRead`) for the
 :mod:`~..core.digest` checksum of the source ranges that batch read, computes the checksum of the
-ranges they landed in, and fails the pull when the two differ (:class:`IntegrityError`): a
-corruption in flight, bytes that landed elsewhere, or blocks that changed under the read become a
-counted failed pull, never silently wrong KV. It runs before any local copy or permutation moves
-the landed bytes, and before the read-done notice lets prefill free the blocks.
+ranges they landed in, and fails the pull when the two differ (:class:`IntegrityError`). It runs
+before any local copy or permutation moves the landed bytes, and before the read-done notice lets
+prefill free the blocks.
+
+What it covers, exactly: the transport's copy of each planned range. The bytes of the local
+range a descriptor names equal, at the end of the batch, the bytes of the remote range it names,
+so a corruption in flight, a transfer that wrote the planned destination short or not at all, or
+source blocks that changed under the read become a counted failed pull (``integrity``).
+
+What it does not cover: both checksums are taken over the ranges the *plan* chose, so a wrong
+plan agrees with itself: a wrong offset inside a held prefill block (another head, token or
+layer), a wrong local block or region, or bytes meant for one place landing in another the plan
+also names all pass. Nor does it see what happens after landing: the row copies out of staging
+and the axis swaps (:mod:`~..core.relayout`) that put the bytes where decode's attention reads
+them, or a stray write by the transport outside the planned destination. Those are covered by the
+planners' tests against the reference model (``tests/core``) and the byte-exact pulls of
+``tests/datapath`` and ``tests/ascend``, not at run time.
 
 Prefill answers only the reader holding the lease, and only about the blocks the transfer holds
-(:func:`ranges_outside`): nobody learns anything of memory that is not theirs to read.
+(:func:`ranges_outside`, each range inside one region): nobody learns anything of memory that is
+not theirs to read.
 """
 
 from __future__ import annotations
@@ -68,7 +82,10 @@ def answer(
     held_blocks: tuple[int, ...] | str,
 ) -> ReadDigest | str:
     """Prefill's answer to ``message``: the checksum, or why not. ``held_blocks``: the transfer's
-    blocks when ``message``'s reader holds the lease, else the reason it may not ask."""
+    blocks when ``message``'s reader holds the lease, else the reason it may not ask.
+
+    A checksum reads the ranges at 0.5-1 GB/s on a CPU: prefill runs it off its side-channel
+    thread (:class:`~.side_channel.Deferred`), and on a device on a stream of its own."""
     if memory is None:
         return "this prefill worker has no KV memory it can checksum"
     if isinstance(held_blocks, str):
@@ -80,7 +97,8 @@ def answer(
     outside = ranges_outside(addrs, lengths, regions, held_blocks)
     if outside:
         return outside
-    value = checksum_ranges(memory.view, addrs, lengths)
+    with memory.own_streams():  # never behind the forward on the compute stream
+        value = checksum_ranges(memory.view, addrs, lengths)
     return ReadDigest(value.to_bytes(8, "little"))
 
 
@@ -88,8 +106,11 @@ def ranges_outside(
     addrs: np.ndarray, lengths: np.ndarray, regions: Sequence[Region], blocks: Sequence[int]
 ) -> str:
     """Why some range is not inside ``blocks`` of ``regions`` ("" when every one is): each
-    range's first and last byte must lie in a block of one region, and every block from the
-    first to the last (a run of consecutive blocks) must be one of ``blocks``."""
+    range's first and last byte must lie in blocks of the same region (a read never spans two
+    regions: the planners cut every descriptor inside one), and every block of that region from
+    the first to the last (a run of consecutive blocks) must be one of ``blocks``. A range from
+    one region's held block into another region's was let through before, and with it the
+    checksum of every block of the first region after it, held or not."""
     if not len(addrs):
         return ""
     if (lengths <= 0).any():
@@ -122,7 +143,11 @@ def ranges_outside(
 
     first_region, first = locate(addrs)
     last_region, last = locate(addrs + lengths - 1)
-    if (first_region < 0).any() or (last_region < 0).any() or (last < first).any():
+    if (first_region < 0).any() or (last_region < 0).any():
+        return "a range outside this worker's KV blocks"
+    if (first_region != last_region).any():
+        return "a range that spans two KV regions"
+    if (last < first).any():
         return "a range outside this worker's KV blocks"
     covered = held_before[last + 1] - held_before[first]
     if (covered != last - first + 1).any():
