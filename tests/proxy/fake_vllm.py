@@ -139,6 +139,8 @@ class FakeVllm:
         self.ignores_prompt_token_ids = False
         #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
         self.says_chat_prompt_ids = True
+        #: The first side-channel port of the connector's prefill this fake answers as.
+        self.side_channel_port = 5555
         #: Continuations this instance was asked for that did not continue prefill's hold.
         self.bad_continuations: list[str] = []
         self.engine = TinyEngine()
@@ -175,7 +177,7 @@ class FakeVllm:
             "remote_engine_id": f"engine-{self.name}",
             "remote_request_id": asked.get("transfer_id", f"{self.name}-request"),
             "remote_host": "127.0.0.1",
-            "remote_port": 5555,
+            "remote_port": self.side_channel_port,
             "remote_tp_size": 1,
             "remote_block_ids": [3, 1, 4],
             "remote_num_tokens": 70,

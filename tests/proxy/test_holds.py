@@ -42,7 +42,9 @@ def slow_prefill() -> Iterator[tuple[SendTracker, int]]:
 
 
 @contextmanager
-def serving_prefill(release_timeout_s: float) -> Iterator[tuple[SendTracker, int]]:
+def serving_prefill(
+    release_timeout_s: float, transfer_id: str = "t"
+) -> Iterator[tuple[SendTracker, int]]:
     port = free_port_range(1)
     tracker = SendTracker(TransferTopology(4, 1, 1), 0, release_timeout_s)
     metadata = WorkerMetadata(
@@ -58,7 +60,7 @@ def serving_prefill(release_timeout_s: float) -> Iterator[tuple[SendTracker, int
         regions=[],
     )
     sender = PrefillSender(metadata, tracker, HOST, port)
-    tracker.hold("t")
+    tracker.hold(transfer_id)
     try:
         yield tracker, port
     finally:
@@ -200,3 +202,58 @@ def test_a_client_that_leaves_before_decode_read_frees_prefills_hold(start_proxy
         assert decode.generation_requests()  # decode had the request, and never read it
         freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
         assert freed == {"t"} and tracker.take_expired_count() == 0
+
+
+def counting_drops(tracker: SendTracker) -> list[str]:
+    """The DropHold messages ``tracker``'s side channel gets, as they come."""
+    drop_unread, dropped = tracker.drop_unread, []
+
+    def counted(transfer_id: str):
+        dropped.append(transfer_id)
+        return drop_unread(transfer_id)
+
+    tracker.drop_unread = counted  # type: ignore[method-assign]
+    return dropped
+
+
+@pytest.mark.parametrize("route", ["serial", "continued"])
+def test_a_client_that_leaves_a_streamed_answer_frees_prefills_hold_once(
+    start_proxy, route: str
+) -> None:
+    """Issue #43: a client that hung up once decode's stream had begun (its headers sent while
+    the request queued in decode, or its tokens streaming) left prefill's hold renewed until
+    4 release timeouts; the relay (serial and overlapped legs) and the continued stream now
+    free it with one DropHold."""
+    transfer_id = "t" if route == "serial" else "prefill-request"
+    with serving_prefill(60.0, transfer_id) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        if route == "serial":
+            prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
+        else:  # the continued route's first request: a whole prefill leg, the connector's params
+            for fake in (prefill, decode):
+                fake.generates = fake.hands_off_like_the_connector = True
+            prefill.side_channel_port = port
+        decode.stream_gate.clear()  # decode's stream begins, then stalls
+        stack.callback(decode.stream_gate.set)
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(
+            urls[:1],
+            urls[1:],
+            overlap_legs=False,
+            first_token="decode" if route == "serial" else "prefill",
+        )
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+        client = stack.enter_context(httpx.Client(base_url=proxy.base_url, timeout=30))
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            raw = stream.iter_raw()
+            next(raw)  # the answer began (prefill's token, on the continued route)
+            if route == "continued":
+                next(raw)  # and decode's stream
+        client.close()
+        # the client hung up
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {transfer_id} and tracker.take_expired_count() == 0
+        time.sleep(1.0)  # no second DropHold comes
+        assert dropped == [transfer_id]

@@ -202,11 +202,15 @@ class ContinuedLegs:
         assert params is not None
         request.trace.transfer_id = params.get("remote_request_id")
 
+        # Renewed from prefill's answer until decode read the transfer; freed at once if the
+        # request ends before that (the client left, decode failed).
+        keeping = self.legs.keep_hold(params)
+
         def decode_leg() -> asyncio.Task:
             request.trace.mark("decode_sent")
             return asyncio.create_task(
                 self.legs.until_answered(
-                    self.legs.keep_hold(params),
+                    keeping,
                     self.legs.upstreams.open(
                         self.legs.decode,
                         "POST",
@@ -218,11 +222,13 @@ class ContinuedLegs:
             )
 
         if streamed:
-            return self._stream(splice, decode_leg, request)
+            return self._stream(splice, decode_leg, request, keeping)
         leg = decode_leg()
         try:
             decode_upstream, decode_response = await leg
         except BaseException:
+            # A leg cancelled before it ran never reached until_answered: free the hold here.
+            self.legs.abandon_hold(keeping)
             await self.legs.abandon(leg)  # a leg that opened as the client left is closed too
             raise
         await self.legs.upstreams.read_all(self.legs.decode, decode_upstream, decode_response)
@@ -314,15 +320,20 @@ class ContinuedLegs:
         splice: Splice,
         start_decode_leg: Callable[[], asyncio.Task],
         request: ClientRequest,
+        keeping: asyncio.Task | None,
     ) -> Response:
         """The client's stream of a continued request: prefill's token, then decode's events
         rewritten by :class:`.splice.DecodeStream`. The decode leg starts once the token is on
         its way (nothing delays it); one that fails once the stream began ends it with an error
-        event."""
+        event. A stream that ends before decode's did (the client hung up, before the decode
+        leg was sent, while decode queued or while it streamed) frees prefill's hold
+        (``keeping``) unless decode leased it."""
         request_id, trace = request.request_id, request.trace
         legs: list[asyncio.Task] = []
+        relayed_to_the_end = False
 
         async def events() -> AsyncIterator[bytes]:
+            nonlocal relayed_to_the_end
             yield b"".join(splice.opening_events(ends_answer=False))
             trace.mark("first_chunk")
             legs.append(start_decode_leg())
@@ -352,6 +363,7 @@ class ContinuedLegs:
                     if rewritten:
                         trace.mark("decode_first_chunk")
                         yield rewritten
+                relayed_to_the_end = True
             except ContinuationMismatch as error:
                 logger.error("request %s: decode %s: %s", request_id, upstream.url, error)
                 yield error_event(f"decode {upstream.url}: {error}")
@@ -363,6 +375,8 @@ class ContinuedLegs:
                 raise
 
         async def close() -> None:
+            if not relayed_to_the_end:
+                self.legs.abandon_hold(keeping)  # once: the keeper forgets an abandoned hold
             for leg in legs:
                 if not leg.done():
                     leg.cancel()
