@@ -139,6 +139,8 @@ class FakeVllm:
         self.ignores_prompt_token_ids = False
         #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
         self.says_chat_prompt_ids = True
+        #: The context length, checked as vLLM checks it (None: unbounded).
+        self.max_model_len: int | None = None
         #: The first side-channel port of the connector's prefill this fake answers as.
         self.side_channel_port = 5555
         #: Continuations this instance was asked for that did not continue prefill's hold.
@@ -230,13 +232,37 @@ class FakeVllm:
         if held is None or (tail and tail != params.get("remote_output_token_ids")):
             self.bad_continuations.append(f"prompt of {len(prompt)} tokens vs {params}")
 
+    def _answer_limit(self, prompt: list[int], asked: int, min_tokens: int) -> int:
+        """vLLM's checks of a prompt against ``max_model_len`` (0.32's input processor and
+        ``get_max_tokens``): a prompt that fills the context is refused, leaving no room for
+        one token; the answer's limit is clamped to the room left."""
+        if self.max_model_len is None:
+            return asked
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt)}) is longer than the maximum model "
+                f"length of {self.max_model_len}."
+            )
+        if len(prompt) == self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt)}) plus the number of requested output "
+                f"tokens (at least 1) is longer than the maximum model length of "
+                f"{self.max_model_len}."
+            )
+        limit = min(asked, self.max_model_len - len(prompt))
+        if min_tokens > limit:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={limit}")
+        return limit
+
     def engine_answer(self, path: str, body: dict[str, Any]) -> tuple[dict, list[dict]]:
-        """The non-streamed answer and the stream chunks (without ``[DONE]``) for ``body``."""
+        """The non-streamed answer and the stream chunks (without ``[DONE]``) for ``body``;
+        raises ValueError for what vLLM answers with 400."""
         chat = path == "/v1/chat/completions"
         prompt = self._prompt_ids(path, body)
         params = body.get("kv_transfer_params") or {}
         self._check_continuation(prompt, params)
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        limit = self._answer_limit(prompt, asked, body.get("min_tokens") or 0)
         eos = "EOS" in json.dumps(body.get("messages") or body.get("prompt")) and not body.get(
             "ignore_eos"
         )
@@ -355,7 +381,11 @@ class FakeVllm:
                 status, content, media_type = self.canned_answer
                 return Response(content, status_code=status, media_type=media_type)
             if self.generates:
-                answer, chunks = self.engine_answer(request.url.path, body)
+                try:
+                    answer, chunks = self.engine_answer(request.url.path, body)
+                except ValueError as error:
+                    message = {"message": str(error), "type": "BadRequestError", "code": 400}
+                    return JSONResponse({"error": message}, status_code=400)
                 if flag(body, "stream"):
                     return StreamingResponse(
                         self._engine_stream(chunks), media_type="text/event-stream"
@@ -379,7 +409,8 @@ class FakeVllm:
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:
             self.received.append(ReceivedRequest("/v1/models", {}, dict(request.headers)))
-            return JSONResponse({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+            card = {"id": "tiny", "owned_by": self.name, "max_model_len": self.max_model_len}
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.get("/health")
         async def health() -> Response:

@@ -495,3 +495,38 @@ def test_flags_are_read_as_vllm_reads_them(
             same_answer(path, got, colocated(engines, path, want), streamed)
         if streamed:
             assert events(got)[-2]["usage"]
+
+
+def prompt_of(path: str, tokens: int) -> str:
+    """A prompt (a completion's, or a chat message's content) of ``tokens`` tokens."""
+    rendered = len(TinyEngine.tokenize(TinyEngine.render([{"role": "user", "content": ""}])))
+    return "x" * (tokens - (rendered if path == CHAT else 1))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_prompt_one_token_short_of_max_model_len_is_answered_by_prefills_token(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    """Issue #43 (e): vLLM clamps the answer to the one token the context leaves, and refuses
+    a prompt that fills it; the continued decode leg's prompt (the prompt and prefill's token)
+    would fill it, so the proxy answers prefill's token, as one colocated instance does."""
+    max_model_len = 48
+    for fake in (engines.prefill, engines.decode, engines.colocated):
+        fake.max_model_len = max_model_len
+    body = body_for(path, prompt=prompt_of(path, max_model_len - 1), stream=streamed)
+    if streamed:
+        body["stream_options"] = {"include_usage": True}
+    want = colocated(engines, path, body)
+    for _ in range(2):  # a whole prefill leg, then a streamed one
+        same_answer(path, proxy.post(path, json=body), want, streamed)
+    assert engines.decode.generation_requests() == []
+    assert len(engines.prefill.generation_requests()) == 2
+    # min_tokens the context cannot give: decode answers vLLM's refusal, as colocated does
+    short = {**body, "min_tokens": 2, "ignore_eos": True}
+    refused = proxy.post(path, json=short)
+    assert refused.status_code == colocated(engines, path, short).status_code == 400
+    # a prompt that leaves room for two tokens still continues
+    room = body_for(path, prompt=prompt_of(path, max_model_len - 2), stream=streamed)
+    same_answer(path, proxy.post(path, json=room), colocated(engines, path, room), streamed)
+    assert engines.decode.generation_requests()[-1].body["max_tokens"] == room["max_tokens"] - 1

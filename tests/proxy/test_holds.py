@@ -257,3 +257,24 @@ def test_a_client_that_leaves_a_streamed_answer_frees_prefills_hold_once(
         assert freed == {transfer_id} and tracker.take_expired_count() == 0
         time.sleep(1.0)  # no second DropHold comes
         assert dropped == [transfer_id]
+
+
+def test_a_prompt_that_leaves_room_for_one_token_frees_prefills_hold(start_proxy) -> None:
+    """Issue #43 (e): prefill's token is the whole answer of a prompt one token short of
+    max_model_len (test_continuation.py), so the KV prefill held for decode is freed at once."""
+    with serving_prefill(60.0, "prefill-request") as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        for fake in (prefill, decode):
+            fake.generates = fake.hands_off_like_the_connector = True
+            fake.max_model_len = 16
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+        body = {"model": "m", "prompt": "x" * 14, "max_tokens": 4}  # BOS and 14: 15 tokens
+        answer = proxy.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 1
+        assert decode.generation_requests() == []
+        freed = wait_until(tracker.take_finished, "prefill frees the unread hold", 10)
+        assert freed == {"prefill-request"} and dropped == ["prefill-request"]

@@ -25,6 +25,7 @@ from .continuation import FirstToken
 from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
 from .flags import is_true
 from .legs import Legs
+from .model_limits import ModelLimits
 from .payloads import (
     InvalidPrefillResponse,
     kv_transfer_params_from_prefill,
@@ -116,6 +117,11 @@ class _PrefillStream:
 _background: set[asyncio.Task] = set()
 
 
+def _min_tokens(body: dict[str, Any]) -> int:
+    value = body.get("min_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _data(line: str) -> dict[str, Any] | None:
     """An event line's JSON object; None for other lines and ``[DONE]``."""
     if not line.startswith("data:"):
@@ -130,10 +136,23 @@ def _data(line: str) -> dict[str, Any] | None:
 class ContinuedLegs:
     """Runs continued requests over :class:`.legs.Legs`' instances."""
 
-    def __init__(self, legs: Legs, token_texts: TokenTexts) -> None:
+    def __init__(
+        self, legs: Legs, token_texts: TokenTexts, model_limits: ModelLimits | None = None
+    ) -> None:
         self.legs = legs
         #: which tokens a continued decode prompt may end with
         self.token_texts = token_texts
+        #: the prefill instances' max_model_len (None: never asked)
+        self.model_limits = model_limits
+
+    async def _fills_context(self, upstream: Upstream, first: FirstToken) -> bool:
+        """Whether decode's prompt (the prompt and prefill's token) would fill the model's
+        context (:mod:`.model_limits`): vLLM refuses such a prompt, and colocated the answer
+        is that token alone, as vLLM clamps ``max_tokens`` to the room the prompt leaves."""
+        if self.model_limits is None:
+            return False
+        limit = await self.model_limits.max_model_len(upstream.url)
+        return limit is not None and len(first.prompt_token_ids) + len(first.token_ids) >= limit
 
     async def route(
         self,
@@ -166,9 +185,18 @@ class ContinuedLegs:
                 # an answer its token ended holds nothing by design: no news of the address
                 self.legs.prefill_ranks.learn(prefill_upstream.url, params)
         ends_answer = first is not None and first.ends_answer(request.body)
+        fills_context = (
+            first is not None
+            and not ends_answer
+            and await self._fills_context(prefill_upstream, first)
+        )
         reason = None
         if first is None:
             reason = "no token ids from prefill"
+        elif fills_context and _min_tokens(request.body) > len(first.token_ids):
+            reason = "max_model_len"  # colocated refuses it: min_tokens beyond the room left
+        elif fills_context:
+            ends_answer = True  # the answer is prefill's token (vLLM clamps max_tokens to it)
         elif (
             first.chat
             and not ends_answer
@@ -188,6 +216,8 @@ class ContinuedLegs:
         splice = Splice(first, request.body)
         streamed = is_true(request.body.get("stream"))
         if ends_answer:
+            if params is not None:  # held for a decode leg that will not come (fills_context)
+                self.legs.drop_hold(params)
             request.trace.mark("first_chunk")
             request.trace.emit()
             if streamed:
@@ -302,7 +332,9 @@ class ContinuedLegs:
             held = "kv_transfer_params" in body
             held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             first = continuation.first_token_from_stream(request.path, chunks, held_at)
-            if first is not None and first.ends_answer(request.body):
+            if first is not None and (
+                first.ends_answer(request.body) or await self._fills_context(upstream, first)
+            ):
                 chunks += await reader.drain()  # its usage chunk: the whole answer's usage
                 first = continuation.first_token_from_stream(request.path, chunks, held_at)
             else:

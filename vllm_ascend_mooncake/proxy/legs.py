@@ -321,6 +321,12 @@ class Legs:
             self.abandon_hold(keeping)
         return upstream, response
 
+    def drop_hold(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Nobody will read the transfer prefill answered it holds (and no renewal runs for
+        it): free prefill's hold now."""
+        if self.hold_keeper is not None:
+            self.hold_keeper.drop(kv_transfer_params)
+
     def abandon_hold(self, keeping: asyncio.Task | None) -> None:
         """Nobody will read the transfer ``keeping`` renews: free prefill's hold now."""
         if keeping is not None and self.hold_keeper is not None:
