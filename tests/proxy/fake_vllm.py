@@ -139,6 +139,14 @@ class FakeVllm:
         self.ignores_prompt_token_ids = False
         #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
         self.says_chat_prompt_ids = True
+        #: The engine ignores ``return_token_ids`` (answers without token ids).
+        self.ignores_return_token_ids = False
+        #: How a stream ends early: None (it does not), "cut" (the connection closes after its
+        #: first chunk, no ``[DONE]``) or "error" (an error event follows its first chunk); the
+        #: request is aborted then, so a prefill holds nothing.
+        self.stream_ends_early: str | None = None
+        #: The transfers this fake, as the connector's prefill, holds KV under.
+        self.held: set[str] = set()
         #: The context length, checked as vLLM checks it (None: unbounded).
         self.max_model_len: int | None = None
         #: The first side-channel port of the connector's prefill this fake answers as.
@@ -268,7 +276,7 @@ class FakeVllm:
         )
         tokens, finish = self.engine.generate(prompt, limit, eos)
         texts = [self.engine.text(t) for t in tokens]
-        ids = flag(body, "return_token_ids")
+        ids = flag(body, "return_token_ids") and not self.ignores_return_token_ids
         want_logprobs = body.get("logprobs") not in (None, False, 0)
         base = {"id": f"{self.name}-x", "created": 1, "model": body.get("model", "tiny")}
         usage = {
@@ -353,17 +361,27 @@ class FakeVllm:
             return None
         if finish == "stop" and asked.get("hold_if_stopped") is False:
             return None
-        return {
+        if flag(body, "stream") and self.stream_ends_early is not None:
+            return None  # aborted: the connector holds nothing
+        params = {
             **self.connector_params(body),
             "remote_num_tokens": len(prompt),
             "remote_output_token_ids": tokens,
         }
+        self.held.add(params["remote_request_id"])
+        return params
 
     async def _engine_stream(self, chunks: list[dict]) -> AsyncIterator[bytes]:
         for index, chunk in enumerate(chunks):
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             if index == 0:
                 await asyncio.to_thread(self.stream_gate.wait, 10)
+                if self.stream_ends_early == "cut":
+                    return
+                if self.stream_ends_early == "error":
+                    error = {"message": "the engine failed", "type": "InternalServerError"}
+                    yield f"data: {json.dumps({'error': {**error, 'code': 500}})}\n\n".encode()
+                    break
         yield b"data: [DONE]\n\n"
 
     def app(self) -> FastAPI:

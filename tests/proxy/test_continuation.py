@@ -530,3 +530,45 @@ def test_a_prompt_one_token_short_of_max_model_len_is_answered_by_prefills_token
     room = body_for(path, prompt=prompt_of(path, max_model_len - 2), stream=streamed)
     same_answer(path, proxy.post(path, json=room), colocated(engines, path, room), streamed)
     assert engines.decode.generation_requests()[-1].body["max_tokens"] == room["max_tokens"] - 1
+
+
+ENDINGS = {
+    # (path, prompt, prefill ignores return_token_ids, how prefill's stream ends early)
+    "no token ids, held": (COMPLETIONS, "Hello there", True, None),
+    "no token ids, ended by its token": (COMPLETIONS, "EOS please", True, None),
+    "no token ids, chat ended by its token": (CHAT, "EOS please", True, None),
+    "cut short": (CHAT, "Hello there", False, "cut"),
+    "error event": (CHAT, "Hello there", False, "error"),
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_streamed_prefill_leg_without_token_ids_sends_decode_only_to_a_held_transfer(
+    engines: Engines, proxy: httpx.Client, ending: str
+) -> None:
+    """Issue #43 (f): a streamed prefill leg that ended without token ids (vLLM ignored
+    return_token_ids, its stream broke off, or it sent an error event) sent decode to read the
+    proxy's transfer id, which prefill held only when its one token was length-capped: decode
+    then waited for KV nobody held. Now decode reads only a transfer prefill held, else
+    computes the prompt itself (or the client gets prefill's error)."""
+    path, prompt, ignores_token_ids, ends_early = ENDINGS[ending]
+    teach_prefill_address(engines, proxy, path)
+    engines.prefill.held.clear()
+    engines.prefill.ignores_return_token_ids = ignores_token_ids
+    engines.prefill.stream_ends_early = ends_early
+    body = body_for(path, prompt=prompt, stream=True)
+    response = proxy.post(path, json=body)
+    if ending == "error event":
+        assert response.status_code == 502
+        assert "the engine failed" in response.json()["error"]["message"]
+        assert engines.decode.generation_requests() == []
+    else:
+        same_answer(path, response, colocated(engines, path, body), True)
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert prefill_leg.body["stream"] is True
+    for decode_leg in engines.decode.generation_requests():
+        params = decode_leg.body.get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill"):
+            assert params["remote_request_id"] in engines.prefill.held, params
+        elif ending == "no token ids, held":
+            raise AssertionError("prefill held the KV: decode reads it")

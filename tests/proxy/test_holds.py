@@ -18,7 +18,7 @@ from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.proxy import holds
+from vllm_ascend_mooncake.proxy import continued, holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
@@ -278,3 +278,28 @@ def test_a_prompt_that_leaves_room_for_one_token_frees_prefills_hold(start_proxy
         assert decode.generation_requests() == []
         freed = wait_until(tracker.take_finished, "prefill frees the unread hold", 10)
         assert freed == {"prefill-request"} and dropped == ["prefill-request"]
+
+
+def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
+    start_proxy, monkeypatch
+) -> None:
+    """Issue #43 (f): a streamed prefill leg that ends without its token names no transfer
+    decode may read (test_continuation.py); whatever prefill holds under the proxy's transfer
+    id is freed at once."""
+    monkeypatch.setattr(continued, "new_transfer_id", lambda request_id: "t")
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        for fake in (prefill, decode):
+            fake.generates = fake.hands_off_like_the_connector = True
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert proxy.post("/v1/chat/completions", json=body).is_success  # a whole prefill leg
+        prefill.stream_ends_early = "cut"  # after the role chunk, before the token
+        streamed = proxy.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert "kv_transfer_params" not in decode.generation_requests()[-1].body
+        freed = wait_until(tracker.take_finished, "prefill frees what it held", 10)
+        assert freed == {"t"} and dropped == ["t"]

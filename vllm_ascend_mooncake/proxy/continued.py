@@ -4,7 +4,9 @@ Prefill answers the first token; the client gets it at once (:mod:`.splice` writ
 opening chunks, or as the whole answer when it ends the answer) while decode continues from the
 prompt and that token. A stream whose decode leg fails after the first token ends with an error
 event; a request whose token is part of a character (:mod:`.token_texts`), or whose prefill
-returned no token ids, falls back to decode sampling the first token from the KV prefill holds.
+returned no token ids, falls back to decode sampling the first token from the KV prefill holds,
+or computing the prompt itself where prefill holds none (a streamed prefill leg cut short, or
+whose token ended the answer).
 """
 
 from __future__ import annotations
@@ -115,6 +117,17 @@ class _PrefillStream:
 
 #: Streams drained after the request went on (a reference keeps each task alive).
 _background: set[asyncio.Task] = set()
+
+
+def _finish_reason(chunks: list[dict[str, Any]]) -> Any:
+    """The last finish reason a stream's chunks gave (None: none did)."""
+    reasons = [
+        choice.get("finish_reason")
+        for chunk in chunks
+        for choice in (chunk.get("choices") or [])[:1]
+        if isinstance(choice, dict) and choice.get("finish_reason") is not None
+    ]
+    return reasons[-1] if reasons else None
 
 
 def _min_tokens(body: dict[str, Any]) -> int:
@@ -319,19 +332,35 @@ class ContinuedLegs:
             if not response.is_success:
                 await response.aread()
                 return legs.prefill_failed(upstream, response, request.request_id)
+            held = "kv_transfer_params" in body
+            held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             try:
                 chunks = await reader.until_token()
             except (httpx.HTTPError, ValueError) as error:
+                legs.drop_hold(held_at)  # whatever prefill got to hold, nobody reads it
                 return legs.invalid_prefill(upstream, request.path, error)
             request.trace.mark("prefill_answered")
             error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
             if error is not None:
+                legs.drop_hold(held_at)
                 return legs.invalid_prefill(
                     upstream, request.path, ValueError(json.dumps(error)[:500])
                 )
-            held = "kv_transfer_params" in body
-            held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             first = continuation.first_token_from_stream(request.path, chunks, held_at)
+            if first is None and held_at is not None and _finish_reason(chunks) != "length":
+                # No token ids (the stream was read to its end): prefill holds the KV under
+                # transfer_id only if its one token was length-capped; the connector holds
+                # none of a request aborted (a stream cut short), failed or ended by its token.
+                # Decode computes the prompt itself instead of waiting for KV nobody holds.
+                logger.warning(
+                    "request %s: prefill %s's stream ended without its token (finish reason "
+                    "%r); the decode instance will recompute the prompt",
+                    request.request_id,
+                    upstream.url,
+                    _finish_reason(chunks),
+                )
+                legs.drop_hold(held_at)
+                return upstream, None, None
             if first is not None and (
                 first.ends_answer(request.body) or await self._fills_context(upstream, first)
             ):
