@@ -303,3 +303,30 @@ def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
         assert "kv_transfer_params" not in decode.generation_requests()[-1].body
         freed = wait_until(tracker.take_finished, "prefill frees what it held", 10)
         assert freed == {"t"} and dropped == ["t"]
+
+
+def test_a_transfer_decode_reads_at_once_costs_one_renewal_per_worker(prefill) -> None:
+    """The cost docs/proxy.md gives (issue #43 item g): renewals are not batched, and a request
+    decode reads at once costs one KeepHold per prefill worker, which ends its renewals."""
+    tracker, port = prefill
+    keep, asked = tracker.keep, []
+
+    def counted(transfer_id: str):
+        asked.append(transfer_id)
+        return keep(transfer_id)
+
+    tracker.keep = counted  # type: ignore[method-assign]
+    tracker.claim("t", 0)
+    tracker.read_done("t", 0, True)  # decode read it before the first renewal was due
+
+    async def scenario() -> None:
+        keeper = HoldKeeper()
+        try:
+            task = keeper.keep(params(port))
+            assert task is not None
+            await asyncio.wait_for(task, 3.0)  # ends by itself
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+    assert asked == ["t"]
