@@ -158,13 +158,15 @@ class ContinuedLegs:
         #: the prefill instances' max_model_len (None: never asked)
         self.model_limits = model_limits
 
-    async def _fills_context(self, upstream: Upstream, first: FirstToken) -> bool:
+    async def _fills_context(
+        self, upstream: Upstream, first: FirstToken, request: ClientRequest
+    ) -> bool:
         """Whether decode's prompt (the prompt and prefill's token) would fill the model's
         context (:mod:`.model_limits`): vLLM refuses such a prompt, and colocated the answer
         is that token alone, as vLLM clamps ``max_tokens`` to the room the prompt leaves."""
         if self.model_limits is None:
             return False
-        limit = await self.model_limits.max_model_len(upstream.url)
+        limit = await self.model_limits.max_model_len(upstream.url, request.headers)
         return limit is not None and len(first.prompt_token_ids) + len(first.token_ids) >= limit
 
     async def route(
@@ -201,7 +203,7 @@ class ContinuedLegs:
         fills_context = (
             first is not None
             and not ends_answer
-            and await self._fills_context(prefill_upstream, first)
+            and await self._fills_context(prefill_upstream, first, request)
         )
         reason = None
         if first is None:
@@ -362,7 +364,8 @@ class ContinuedLegs:
                 legs.drop_hold(held_at)
                 return upstream, None, None
             if first is not None and (
-                first.ends_answer(request.body) or await self._fills_context(upstream, first)
+                first.ends_answer(request.body)
+                or await self._fills_context(upstream, first, request)
             ):
                 chunks += await reader.drain()  # its usage chunk: the whole answer's usage
                 first = continuation.first_token_from_stream(request.path, chunks, held_at)

@@ -32,16 +32,22 @@ class ModelLimits:
         #: instances that could not say, and when to ask them again
         self._unknown_until: dict[str, float] = {}
 
-    async def max_model_len(self, base_url: str) -> int | None:
+    async def max_model_len(
+        self, base_url: str, headers: dict[str, str] | None = None
+    ) -> int | None:
         """The context length of the model the instance at ``base_url`` serves (the smallest
-        of its model cards'); None when it cannot say (then nothing is decided by it)."""
+        of its model cards'); None when it cannot say (then nothing is decided by it).
+        ``headers``: the client's that the instance may need (``Authorization`` for vLLM's
+        ``--api-key``, which guards ``/v1/models``)."""
         known = self._known.get(base_url)
         if known is not None:
             return known
         if time.monotonic() < self._unknown_until.get(base_url, 0.0):
             return None
         try:
-            response = await self._client.get(f"{base_url}/v1/models", timeout=self._timeout_s)
+            response = await self._client.get(
+                f"{base_url}/v1/models", headers=headers, timeout=self._timeout_s
+            )
             cards = response.json()["data"] if response.is_success else []
             lengths = [
                 card["max_model_len"]
