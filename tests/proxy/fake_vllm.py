@@ -139,6 +139,18 @@ class FakeVllm:
         self.ignores_prompt_token_ids = False
         #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
         self.says_chat_prompt_ids = True
+        #: The engine ignores ``return_token_ids`` (answers without token ids).
+        self.ignores_return_token_ids = False
+        #: How a stream ends early: None (it does not), "cut" (the connection closes after its
+        #: first chunk, no ``[DONE]``) or "error" (an error event follows its first chunk); the
+        #: request is aborted then, so a prefill holds nothing.
+        self.stream_ends_early: str | None = None
+        #: The transfers this fake, as the connector's prefill, holds KV under.
+        self.held: set[str] = set()
+        #: The context length, checked as vLLM checks it (None: unbounded).
+        self.max_model_len: int | None = None
+        #: The first side-channel port of the connector's prefill this fake answers as.
+        self.side_channel_port = 5555
         #: Continuations this instance was asked for that did not continue prefill's hold.
         self.bad_continuations: list[str] = []
         self.engine = TinyEngine()
@@ -175,7 +187,7 @@ class FakeVllm:
             "remote_engine_id": f"engine-{self.name}",
             "remote_request_id": asked.get("transfer_id", f"{self.name}-request"),
             "remote_host": "127.0.0.1",
-            "remote_port": 5555,
+            "remote_port": self.side_channel_port,
             "remote_tp_size": 1,
             "remote_block_ids": [3, 1, 4],
             "remote_num_tokens": 70,
@@ -228,19 +240,43 @@ class FakeVllm:
         if held is None or (tail and tail != params.get("remote_output_token_ids")):
             self.bad_continuations.append(f"prompt of {len(prompt)} tokens vs {params}")
 
+    def _answer_limit(self, prompt: list[int], asked: int, min_tokens: int) -> int:
+        """vLLM's checks of a prompt against ``max_model_len`` (0.32's input processor and
+        ``get_max_tokens``): a prompt that fills the context is refused, leaving no room for
+        one token; the answer's limit is clamped to the room left."""
+        if self.max_model_len is None:
+            return asked
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt)}) is longer than the maximum model "
+                f"length of {self.max_model_len}."
+            )
+        if len(prompt) == self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt)}) plus the number of requested output "
+                f"tokens (at least 1) is longer than the maximum model length of "
+                f"{self.max_model_len}."
+            )
+        limit = min(asked, self.max_model_len - len(prompt))
+        if min_tokens > limit:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={limit}")
+        return limit
+
     def engine_answer(self, path: str, body: dict[str, Any]) -> tuple[dict, list[dict]]:
-        """The non-streamed answer and the stream chunks (without ``[DONE]``) for ``body``."""
+        """The non-streamed answer and the stream chunks (without ``[DONE]``) for ``body``;
+        raises ValueError for what vLLM answers with 400."""
         chat = path == "/v1/chat/completions"
         prompt = self._prompt_ids(path, body)
         params = body.get("kv_transfer_params") or {}
         self._check_continuation(prompt, params)
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        limit = self._answer_limit(prompt, asked, body.get("min_tokens") or 0)
         eos = "EOS" in json.dumps(body.get("messages") or body.get("prompt")) and not body.get(
             "ignore_eos"
         )
         tokens, finish = self.engine.generate(prompt, limit, eos)
         texts = [self.engine.text(t) for t in tokens]
-        ids = flag(body, "return_token_ids")
+        ids = flag(body, "return_token_ids") and not self.ignores_return_token_ids
         want_logprobs = body.get("logprobs") not in (None, False, 0)
         base = {"id": f"{self.name}-x", "created": 1, "model": body.get("model", "tiny")}
         usage = {
@@ -325,17 +361,27 @@ class FakeVllm:
             return None
         if finish == "stop" and asked.get("hold_if_stopped") is False:
             return None
-        return {
+        if flag(body, "stream") and self.stream_ends_early is not None:
+            return None  # aborted: the connector holds nothing
+        params = {
             **self.connector_params(body),
             "remote_num_tokens": len(prompt),
             "remote_output_token_ids": tokens,
         }
+        self.held.add(params["remote_request_id"])
+        return params
 
     async def _engine_stream(self, chunks: list[dict]) -> AsyncIterator[bytes]:
         for index, chunk in enumerate(chunks):
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             if index == 0:
                 await asyncio.to_thread(self.stream_gate.wait, 10)
+                if self.stream_ends_early == "cut":
+                    return
+                if self.stream_ends_early == "error":
+                    error = {"message": "the engine failed", "type": "InternalServerError"}
+                    yield f"data: {json.dumps({'error': {**error, 'code': 500}})}\n\n".encode()
+                    break
         yield b"data: [DONE]\n\n"
 
     def app(self) -> FastAPI:
@@ -353,7 +399,11 @@ class FakeVllm:
                 status, content, media_type = self.canned_answer
                 return Response(content, status_code=status, media_type=media_type)
             if self.generates:
-                answer, chunks = self.engine_answer(request.url.path, body)
+                try:
+                    answer, chunks = self.engine_answer(request.url.path, body)
+                except ValueError as error:
+                    message = {"message": str(error), "type": "BadRequestError", "code": 400}
+                    return JSONResponse({"error": message}, status_code=400)
                 if flag(body, "stream"):
                     return StreamingResponse(
                         self._engine_stream(chunks), media_type="text/event-stream"
@@ -377,7 +427,8 @@ class FakeVllm:
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:
             self.received.append(ReceivedRequest("/v1/models", {}, dict(request.headers)))
-            return JSONResponse({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+            card = {"id": "tiny", "owned_by": self.name, "max_model_len": self.max_model_len}
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.get("/health")
         async def health() -> Response:

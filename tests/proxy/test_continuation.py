@@ -495,3 +495,80 @@ def test_flags_are_read_as_vllm_reads_them(
             same_answer(path, got, colocated(engines, path, want), streamed)
         if streamed:
             assert events(got)[-2]["usage"]
+
+
+def prompt_of(path: str, tokens: int) -> str:
+    """A prompt (a completion's, or a chat message's content) of ``tokens`` tokens."""
+    rendered = len(TinyEngine.tokenize(TinyEngine.render([{"role": "user", "content": ""}])))
+    return "x" * (tokens - (rendered if path == CHAT else 1))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_prompt_one_token_short_of_max_model_len_is_answered_by_prefills_token(
+    engines: Engines, proxy: httpx.Client, path: str, streamed: bool
+) -> None:
+    """Issue #43 (e): vLLM clamps the answer to the one token the context leaves, and refuses
+    a prompt that fills it; the continued decode leg's prompt (the prompt and prefill's token)
+    would fill it, so the proxy answers prefill's token, as one colocated instance does."""
+    max_model_len = 48
+    for fake in (engines.prefill, engines.decode, engines.colocated):
+        fake.max_model_len = max_model_len
+    body = body_for(path, prompt=prompt_of(path, max_model_len - 1), stream=streamed)
+    if streamed:
+        body["stream_options"] = {"include_usage": True}
+    want = colocated(engines, path, body)
+    for _ in range(2):  # a whole prefill leg, then a streamed one
+        same_answer(path, proxy.post(path, json=body), want, streamed)
+    assert engines.decode.generation_requests() == []
+    assert len(engines.prefill.generation_requests()) == 2
+    # min_tokens the context cannot give: decode answers vLLM's refusal, as colocated does
+    short = {**body, "min_tokens": 2, "ignore_eos": True}
+    refused = proxy.post(path, json=short)
+    assert refused.status_code == colocated(engines, path, short).status_code == 400
+    # a prompt that leaves room for two tokens still continues
+    room = body_for(path, prompt=prompt_of(path, max_model_len - 2), stream=streamed)
+    same_answer(path, proxy.post(path, json=room), colocated(engines, path, room), streamed)
+    assert engines.decode.generation_requests()[-1].body["max_tokens"] == room["max_tokens"] - 1
+
+
+ENDINGS = {
+    # (path, prompt, prefill ignores return_token_ids, how prefill's stream ends early)
+    "no token ids, held": (COMPLETIONS, "Hello there", True, None),
+    "no token ids, ended by its token": (COMPLETIONS, "EOS please", True, None),
+    "no token ids, chat ended by its token": (CHAT, "EOS please", True, None),
+    "cut short": (CHAT, "Hello there", False, "cut"),
+    "error event": (CHAT, "Hello there", False, "error"),
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_streamed_prefill_leg_without_token_ids_sends_decode_only_to_a_held_transfer(
+    engines: Engines, proxy: httpx.Client, ending: str
+) -> None:
+    """Issue #43 (f): a streamed prefill leg that ended without token ids (vLLM ignored
+    return_token_ids, its stream broke off, or it sent an error event) sent decode to read the
+    proxy's transfer id, which prefill held only when its one token was length-capped: decode
+    then waited for KV nobody held. Now decode reads only a transfer prefill held, else
+    computes the prompt itself (or the client gets prefill's error)."""
+    path, prompt, ignores_token_ids, ends_early = ENDINGS[ending]
+    teach_prefill_address(engines, proxy, path)
+    engines.prefill.held.clear()
+    engines.prefill.ignores_return_token_ids = ignores_token_ids
+    engines.prefill.stream_ends_early = ends_early
+    body = body_for(path, prompt=prompt, stream=True)
+    response = proxy.post(path, json=body)
+    if ending == "error event":
+        assert response.status_code == 502
+        assert "the engine failed" in response.json()["error"]["message"]
+        assert engines.decode.generation_requests() == []
+    else:
+        same_answer(path, response, colocated(engines, path, body), True)
+    (prefill_leg,) = engines.prefill.generation_requests()
+    assert prefill_leg.body["stream"] is True
+    for decode_leg in engines.decode.generation_requests():
+        params = decode_leg.body.get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill"):
+            assert params["remote_request_id"] in engines.prefill.held, params
+        elif ending == "no token ids, held":
+            raise AssertionError("prefill held the KV: decode reads it")

@@ -18,7 +18,7 @@ from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.proxy import holds
+from vllm_ascend_mooncake.proxy import continued, holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
@@ -42,7 +42,9 @@ def slow_prefill() -> Iterator[tuple[SendTracker, int]]:
 
 
 @contextmanager
-def serving_prefill(release_timeout_s: float) -> Iterator[tuple[SendTracker, int]]:
+def serving_prefill(
+    release_timeout_s: float, transfer_id: str = "t"
+) -> Iterator[tuple[SendTracker, int]]:
     port = free_port_range(1)
     tracker = SendTracker(TransferTopology(4, 1, 1), 0, release_timeout_s)
     metadata = WorkerMetadata(
@@ -58,7 +60,7 @@ def serving_prefill(release_timeout_s: float) -> Iterator[tuple[SendTracker, int
         regions=[],
     )
     sender = PrefillSender(metadata, tracker, HOST, port)
-    tracker.hold("t")
+    tracker.hold(transfer_id)
     try:
         yield tracker, port
     finally:
@@ -200,3 +202,131 @@ def test_a_client_that_leaves_before_decode_read_frees_prefills_hold(start_proxy
         assert decode.generation_requests()  # decode had the request, and never read it
         freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
         assert freed == {"t"} and tracker.take_expired_count() == 0
+
+
+def counting_drops(tracker: SendTracker) -> list[str]:
+    """The DropHold messages ``tracker``'s side channel gets, as they come."""
+    drop_unread, dropped = tracker.drop_unread, []
+
+    def counted(transfer_id: str):
+        dropped.append(transfer_id)
+        return drop_unread(transfer_id)
+
+    tracker.drop_unread = counted  # type: ignore[method-assign]
+    return dropped
+
+
+@pytest.mark.parametrize("route", ["serial", "continued"])
+def test_a_client_that_leaves_a_streamed_answer_frees_prefills_hold_once(
+    start_proxy, route: str
+) -> None:
+    """Issue #43: a client that hung up once decode's stream had begun (its headers sent while
+    the request queued in decode, or its tokens streaming) left prefill's hold renewed until
+    4 release timeouts; the relay (serial and overlapped legs) and the continued stream now
+    free it with one DropHold."""
+    transfer_id = "t" if route == "serial" else "prefill-request"
+    with serving_prefill(60.0, transfer_id) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        if route == "serial":
+            prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
+        else:  # the continued route's first request: a whole prefill leg, the connector's params
+            for fake in (prefill, decode):
+                fake.generates = fake.hands_off_like_the_connector = True
+            prefill.side_channel_port = port
+        decode.stream_gate.clear()  # decode's stream begins, then stalls
+        stack.callback(decode.stream_gate.set)
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(
+            urls[:1],
+            urls[1:],
+            overlap_legs=False,
+            first_token="decode" if route == "serial" else "prefill",
+        )
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+        client = stack.enter_context(httpx.Client(base_url=proxy.base_url, timeout=30))
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            raw = stream.iter_raw()
+            next(raw)  # the answer began (prefill's token, on the continued route)
+            if route == "continued":
+                next(raw)  # and decode's stream
+        client.close()
+        # the client hung up
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {transfer_id} and tracker.take_expired_count() == 0
+        time.sleep(1.0)  # no second DropHold comes
+        assert dropped == [transfer_id]
+
+
+def test_a_prompt_that_leaves_room_for_one_token_frees_prefills_hold(start_proxy) -> None:
+    """Issue #43 (e): prefill's token is the whole answer of a prompt one token short of
+    max_model_len (test_continuation.py), so the KV prefill held for decode is freed at once."""
+    with serving_prefill(60.0, "prefill-request") as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        for fake in (prefill, decode):
+            fake.generates = fake.hands_off_like_the_connector = True
+            fake.max_model_len = 16
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+        body = {"model": "m", "prompt": "x" * 14, "max_tokens": 4}  # BOS and 14: 15 tokens
+        answer = proxy.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 1
+        assert decode.generation_requests() == []
+        freed = wait_until(tracker.take_finished, "prefill frees the unread hold", 10)
+        assert freed == {"prefill-request"} and dropped == ["prefill-request"]
+
+
+def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
+    start_proxy, monkeypatch
+) -> None:
+    """Issue #43 (f): a streamed prefill leg that ends without its token names no transfer
+    decode may read (test_continuation.py); whatever prefill holds under the proxy's transfer
+    id is freed at once."""
+    monkeypatch.setattr(continued, "new_transfer_id", lambda request_id: "t")
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        for fake in (prefill, decode):
+            fake.generates = fake.hands_off_like_the_connector = True
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert proxy.post("/v1/chat/completions", json=body).is_success  # a whole prefill leg
+        prefill.stream_ends_early = "cut"  # after the role chunk, before the token
+        streamed = proxy.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert "kv_transfer_params" not in decode.generation_requests()[-1].body
+        freed = wait_until(tracker.take_finished, "prefill frees what it held", 10)
+        assert freed == {"t"} and dropped == ["t"]
+
+
+def test_a_transfer_decode_reads_at_once_costs_one_renewal_per_worker(prefill) -> None:
+    """The cost docs/proxy.md gives (issue #43 item g): renewals are not batched, and a request
+    decode reads at once costs one KeepHold per prefill worker, which ends its renewals."""
+    tracker, port = prefill
+    keep, asked = tracker.keep, []
+
+    def counted(transfer_id: str):
+        asked.append(transfer_id)
+        return keep(transfer_id)
+
+    tracker.keep = counted  # type: ignore[method-assign]
+    tracker.claim("t", 0)
+    tracker.read_done("t", 0, True)  # decode read it before the first renewal was due
+
+    async def scenario() -> None:
+        keeper = HoldKeeper()
+        try:
+            task = keeper.keep(params(port))
+            assert task is not None
+            await asyncio.wait_for(task, 3.0)  # ends by itself
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+    assert asked == ["t"]

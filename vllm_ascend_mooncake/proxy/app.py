@@ -50,6 +50,7 @@ from .health import (
 from .holds import HoldKeeper
 from .legs import Legs
 from .metrics import CONTENT_TYPE, ProxyMetrics
+from .model_limits import ModelLimits
 from .token_texts import TokenTexts
 from .trace import RequestTrace
 from .upstreams import (
@@ -110,7 +111,7 @@ class DisaggregatingProxy:
         #: set by the app while background health checks run; None when they are off
         self.health_checker: HealthChecker | None = None
         self.legs = Legs(self.upstreams, prefill, decode, self.metrics)
-        self.continued = ContinuedLegs(self.legs, TokenTexts(client))
+        self.continued = ContinuedLegs(self.legs, TokenTexts(client), ModelLimits(client))
 
     async def generate(self, request: Request, path: str) -> Response:
         """Run one completion request through prefill and decode; every answer, the proxy's own

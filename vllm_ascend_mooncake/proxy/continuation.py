@@ -157,6 +157,7 @@ _OTHER_REASONS = (
     "no token ids from prefill",
     "chat on vLLM before 0.30",
     "partial character",
+    "max_model_len",  # min_tokens beyond the one token a prompt filling the context leaves
 )
 REASON_LABELS = frozenset(
     {*_OTHER_REASONS, *(key for allowed in _ALLOWED.values() for key in allowed)}

@@ -4,7 +4,9 @@ Prefill answers the first token; the client gets it at once (:mod:`.splice` writ
 opening chunks, or as the whole answer when it ends the answer) while decode continues from the
 prompt and that token. A stream whose decode leg fails after the first token ends with an error
 event; a request whose token is part of a character (:mod:`.token_texts`), or whose prefill
-returned no token ids, falls back to decode sampling the first token from the KV prefill holds.
+returned no token ids, falls back to decode sampling the first token from the KV prefill holds,
+or computing the prompt itself where prefill holds none (a streamed prefill leg cut short, or
+whose token ended the answer).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .continuation import FirstToken
 from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
 from .flags import is_true
 from .legs import Legs
+from .model_limits import ModelLimits
 from .payloads import (
     InvalidPrefillResponse,
     kv_transfer_params_from_prefill,
@@ -116,6 +119,22 @@ class _PrefillStream:
 _background: set[asyncio.Task] = set()
 
 
+def _finish_reason(chunks: list[dict[str, Any]]) -> Any:
+    """The last finish reason a stream's chunks gave (None: none did)."""
+    reasons = [
+        choice.get("finish_reason")
+        for chunk in chunks
+        for choice in (chunk.get("choices") or [])[:1]
+        if isinstance(choice, dict) and choice.get("finish_reason") is not None
+    ]
+    return reasons[-1] if reasons else None
+
+
+def _min_tokens(body: dict[str, Any]) -> int:
+    value = body.get("min_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _data(line: str) -> dict[str, Any] | None:
     """An event line's JSON object; None for other lines and ``[DONE]``."""
     if not line.startswith("data:"):
@@ -130,10 +149,25 @@ def _data(line: str) -> dict[str, Any] | None:
 class ContinuedLegs:
     """Runs continued requests over :class:`.legs.Legs`' instances."""
 
-    def __init__(self, legs: Legs, token_texts: TokenTexts) -> None:
+    def __init__(
+        self, legs: Legs, token_texts: TokenTexts, model_limits: ModelLimits | None = None
+    ) -> None:
         self.legs = legs
         #: which tokens a continued decode prompt may end with
         self.token_texts = token_texts
+        #: the prefill instances' max_model_len (None: never asked)
+        self.model_limits = model_limits
+
+    async def _fills_context(
+        self, upstream: Upstream, first: FirstToken, request: ClientRequest
+    ) -> bool:
+        """Whether decode's prompt (the prompt and prefill's token) would fill the model's
+        context (:mod:`.model_limits`): vLLM refuses such a prompt, and colocated the answer
+        is that token alone, as vLLM clamps ``max_tokens`` to the room the prompt leaves."""
+        if self.model_limits is None:
+            return False
+        limit = await self.model_limits.max_model_len(upstream.url, request.headers)
+        return limit is not None and len(first.prompt_token_ids) + len(first.token_ids) >= limit
 
     async def route(
         self,
@@ -166,9 +200,18 @@ class ContinuedLegs:
                 # an answer its token ended holds nothing by design: no news of the address
                 self.legs.prefill_ranks.learn(prefill_upstream.url, params)
         ends_answer = first is not None and first.ends_answer(request.body)
+        fills_context = (
+            first is not None
+            and not ends_answer
+            and await self._fills_context(prefill_upstream, first, request)
+        )
         reason = None
         if first is None:
             reason = "no token ids from prefill"
+        elif fills_context and _min_tokens(request.body) > len(first.token_ids):
+            reason = "max_model_len"  # colocated refuses it: min_tokens beyond the room left
+        elif fills_context:
+            ends_answer = True  # the answer is prefill's token (vLLM clamps max_tokens to it)
         elif (
             first.chat
             and not ends_answer
@@ -188,6 +231,8 @@ class ContinuedLegs:
         splice = Splice(first, request.body)
         streamed = is_true(request.body.get("stream"))
         if ends_answer:
+            if params is not None:  # held for a decode leg that will not come (fills_context)
+                self.legs.drop_hold(params)
             request.trace.mark("first_chunk")
             request.trace.emit()
             if streamed:
@@ -202,11 +247,15 @@ class ContinuedLegs:
         assert params is not None
         request.trace.transfer_id = params.get("remote_request_id")
 
+        # Renewed from prefill's answer until decode read the transfer; freed at once if the
+        # request ends before that (the client left, decode failed).
+        keeping = self.legs.keep_hold(params)
+
         def decode_leg() -> asyncio.Task:
             request.trace.mark("decode_sent")
             return asyncio.create_task(
                 self.legs.until_answered(
-                    self.legs.keep_hold(params),
+                    keeping,
                     self.legs.upstreams.open(
                         self.legs.decode,
                         "POST",
@@ -218,11 +267,13 @@ class ContinuedLegs:
             )
 
         if streamed:
-            return self._stream(splice, decode_leg, request)
+            return self._stream(splice, decode_leg, request, keeping)
         leg = decode_leg()
         try:
             decode_upstream, decode_response = await leg
         except BaseException:
+            # A leg cancelled before it ran never reached until_answered: free the hold here.
+            self.legs.abandon_hold(keeping)
             await self.legs.abandon(leg)  # a leg that opened as the client left is closed too
             raise
         await self.legs.upstreams.read_all(self.legs.decode, decode_upstream, decode_response)
@@ -283,20 +334,39 @@ class ContinuedLegs:
             if not response.is_success:
                 await response.aread()
                 return legs.prefill_failed(upstream, response, request.request_id)
+            held = "kv_transfer_params" in body
+            held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             try:
                 chunks = await reader.until_token()
             except (httpx.HTTPError, ValueError) as error:
+                legs.drop_hold(held_at)  # whatever prefill got to hold, nobody reads it
                 return legs.invalid_prefill(upstream, request.path, error)
             request.trace.mark("prefill_answered")
             error = next((chunk["error"] for chunk in chunks if "error" in chunk), None)
             if error is not None:
+                legs.drop_hold(held_at)
                 return legs.invalid_prefill(
                     upstream, request.path, ValueError(json.dumps(error)[:500])
                 )
-            held = "kv_transfer_params" in body
-            held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             first = continuation.first_token_from_stream(request.path, chunks, held_at)
-            if first is not None and first.ends_answer(request.body):
+            if first is None and held_at is not None and _finish_reason(chunks) != "length":
+                # No token ids (the stream was read to its end): prefill holds the KV under
+                # transfer_id only if its one token was length-capped; the connector holds
+                # none of a request aborted (a stream cut short), failed or ended by its token.
+                # Decode computes the prompt itself instead of waiting for KV nobody holds.
+                logger.warning(
+                    "request %s: prefill %s's stream ended without its token (finish reason "
+                    "%r); the decode instance will recompute the prompt",
+                    request.request_id,
+                    upstream.url,
+                    _finish_reason(chunks),
+                )
+                legs.drop_hold(held_at)
+                return upstream, None, None
+            if first is not None and (
+                first.ends_answer(request.body)
+                or await self._fills_context(upstream, first, request)
+            ):
                 chunks += await reader.drain()  # its usage chunk: the whole answer's usage
                 first = continuation.first_token_from_stream(request.path, chunks, held_at)
             else:
@@ -314,15 +384,20 @@ class ContinuedLegs:
         splice: Splice,
         start_decode_leg: Callable[[], asyncio.Task],
         request: ClientRequest,
+        keeping: asyncio.Task | None,
     ) -> Response:
         """The client's stream of a continued request: prefill's token, then decode's events
         rewritten by :class:`.splice.DecodeStream`. The decode leg starts once the token is on
         its way (nothing delays it); one that fails once the stream began ends it with an error
-        event."""
+        event. A stream that ends before decode's did (the client hung up, before the decode
+        leg was sent, while decode queued or while it streamed) frees prefill's hold
+        (``keeping``) unless decode leased it."""
         request_id, trace = request.request_id, request.trace
         legs: list[asyncio.Task] = []
+        relayed_to_the_end = False
 
         async def events() -> AsyncIterator[bytes]:
+            nonlocal relayed_to_the_end
             yield b"".join(splice.opening_events(ends_answer=False))
             trace.mark("first_chunk")
             legs.append(start_decode_leg())
@@ -352,6 +427,7 @@ class ContinuedLegs:
                     if rewritten:
                         trace.mark("decode_first_chunk")
                         yield rewritten
+                relayed_to_the_end = True
             except ContinuationMismatch as error:
                 logger.error("request %s: decode %s: %s", request_id, upstream.url, error)
                 yield error_event(f"decode {upstream.url}: {error}")
@@ -363,6 +439,8 @@ class ContinuedLegs:
                 raise
 
         async def close() -> None:
+            if not relayed_to_the_end:
+                self.legs.abandon_hold(keeping)  # once: the keeper forgets an abandoned hold
             for leg in legs:
                 if not leg.done():
                     leg.cancel()

@@ -128,6 +128,19 @@ class _PeerChannel:
         self._socket.close(linger=0)
 
 
+def _transfer(kv_transfer_params: dict[str, Any] | None) -> tuple[str, list[Peer]] | None:
+    """The transfer a prefill's answer names and the workers holding it; None if none."""
+    address = prefill_address(kv_transfer_params)
+    transfer_id = (kv_transfer_params or {}).get("remote_request_id")
+    if address is None or not isinstance(transfer_id, str):
+        return None
+    workers = [
+        (address["remote_host"], address["remote_port"] + rank)
+        for rank in range(address["remote_tp_size"])
+    ]
+    return transfer_id, workers
+
+
 class HoldKeeper:
     """Renews prefill holds for the transfers handed to decode and not read yet."""
 
@@ -156,19 +169,22 @@ class HoldKeeper:
         """Start renewing the transfer ``kv_transfer_params`` (a prefill's answer) names, on
         every worker of its prefill; the task, which the caller cancels once the request has
         ended (None: the params name no transfer)."""
-        address = prefill_address(kv_transfer_params)
-        transfer_id = (kv_transfer_params or {}).get("remote_request_id")
-        if address is None or not isinstance(transfer_id, str):
+        named = _transfer(kv_transfer_params)
+        if named is None:
             return None
-        workers = [
-            (address["remote_host"], address["remote_port"] + rank)
-            for rank in range(address["remote_tp_size"])
-        ]
+        transfer_id, workers = named
         task = asyncio.create_task(self._keep_all(transfer_id, workers))
         self._track(task)
         self._kept[task] = (transfer_id, workers)
         task.add_done_callback(lambda done: self._kept.pop(done, None))
         return task
+
+    def drop(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Ask every worker holding the transfer ``kv_transfer_params`` name to free it now if
+        no decode rank leased it (nobody will read it); nothing when they name none."""
+        named = _transfer(kv_transfer_params)
+        if named is not None:
+            self._track(asyncio.create_task(self._drop_all(*named)))
 
     def abandon(self, task: asyncio.Task) -> None:
         """The request of a :meth:`keep` task ended before decode read its transfer (the

@@ -173,7 +173,12 @@ class Legs:
             decode_upstream.url,
         )
         return await self.upstreams.relay(
-            self.decode, decode_upstream, decode_response, request.request_id, request.trace
+            self.decode,
+            decode_upstream,
+            decode_response,
+            request.request_id,
+            request.trace,
+            cut_short=lambda: self.abandon_hold(keeping),
         )
 
     async def overlapped(
@@ -270,7 +275,12 @@ class Legs:
             transfer_id,
         )
         return await self.upstreams.relay(
-            self.decode, decode_upstream, decode_response, request.request_id, request.trace
+            self.decode,
+            decode_upstream,
+            decode_response,
+            request.request_id,
+            request.trace,
+            cut_short=lambda: self.abandon_hold(keeping),
         )
 
     def decode_samples_first_token(self, reason: str, request_id: str) -> None:
@@ -299,7 +309,9 @@ class Legs:
         """The decode leg's answer. When it fails, or the client leaves before it (the leg is
         closed, so vLLM aborts it), nobody will read the transfer: the renewals stop and
         prefill is told to free the hold unless a decode rank leased it. Otherwise they go
-        on until prefill says the transfer was read."""
+        on until prefill says the transfer was read, or until a streamed answer's relay ends
+        before decode's stream did (``UpstreamClient.relay``'s ``cut_short``: the client hung
+        up while decode queued or streamed), which frees the hold the same way, once."""
         try:
             upstream, response = await decode_leg
         except BaseException:
@@ -308,6 +320,12 @@ class Legs:
         if not response.is_success:
             self.abandon_hold(keeping)
         return upstream, response
+
+    def drop_hold(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Nobody will read the transfer prefill answered it holds (and no renewal runs for
+        it): free prefill's hold now."""
+        if self.hold_keeper is not None:
+            self.hold_keeper.drop(kv_transfer_params)
 
     def abandon_hold(self, keeping: asyncio.Task | None) -> None:
         """Nobody will read the transfer ``keeping`` renews: free prefill's hold now."""

@@ -200,16 +200,21 @@ class UpstreamClient:
         response: httpx.Response,
         request_id: str,
         trace: RequestTrace | None = None,
+        cut_short: Callable[[], None] | None = None,
     ) -> Response:
-        """Give an opened upstream response to the client: event streams chunk by chunk."""
+        """Give an opened upstream response to the client: event streams chunk by chunk.
+        ``cut_short`` runs once if a stream ends before the upstream's did (the client hung up,
+        or the upstream's stream broke off): the upstream request is aborted then."""
         trace = trace or RequestTrace()
         is_event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         if not (response.is_success and is_event_stream):
             answer = passthrough(await self.read_all(balancer, upstream, response), request_id)
             trace.emit()
             return answer
+        relayed_to_the_end = False
 
         async def chunks() -> AsyncIterator[bytes]:
+            nonlocal relayed_to_the_end
             try:
                 async for chunk in response.aiter_raw():
                     trace.mark("first_chunk")
@@ -219,11 +224,16 @@ class UpstreamClient:
                     "request %s: stream from %s broke off: %r", request_id, upstream.url, error
                 )
                 raise
+            relayed_to_the_end = True
 
         async def close() -> None:
-            await response.aclose()
-            balancer.release(upstream)
-            trace.emit()
+            if not relayed_to_the_end and cut_short is not None:
+                cut_short()  # before any await: a close cancelled mid-way still runs it
+            try:
+                await response.aclose()
+            finally:
+                balancer.release(upstream)
+                trace.emit()
 
         return UpstreamStreamResponse(
             chunks(),
