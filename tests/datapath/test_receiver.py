@@ -944,15 +944,21 @@ def pull_a_prompt_and_check_every_slot(c, prefill_block, decode_block, cached_bl
     assert all(c.freed(p, "r1") for p in c.prefill)
 
 
-def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(cluster) -> None:
-    c = cluster(4, 1, 1, prefill_block=16, block_size=32)
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(
+    cluster, prefill_tp
+) -> None:
+    """Refused at the handshake, and every prefill rank the pull names is still told to release
+    its hold at once (not left to its release timeout)."""
+    c = cluster(4, prefill_tp, 1, prefill_block=16, block_size=32)
     (decode,) = c.decode
     c.pull("r1", [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7])
     decode.wait(["r1"])
     assert "with head-major blocks whose packing is unknown" in str(decode.failed["r1"])
     assert decode.failed["r1"].kind is FailureKind.INCOMPATIBLE_PEER
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
-    # (prefill frees the hold at its release timeout, as for any peer refused at the handshake)
+    assert all(c.freed(p, "r1") for p in c.prefill)
+    assert sorted(n for p in c.prefill for n in p.notices) == [("t-r1", 0, False)] * prefill_tp
 
 
 def test_two_pulls_of_one_transfer_on_one_worker_never_read_released_blocks(cluster) -> None:

@@ -69,24 +69,21 @@ def test_decode_refuses_to_start_beside_a_prefill_of_another_dtype_and_block_siz
 def test_an_incompatible_prefill_not_paired_at_start_fails_once_then_decode_computes(
     tmp_path,
 ) -> None:
-    """Issue #44 item 3: the same mismatch (96- vs 64-token blocks) where decode was not told of
-    the prefill at start-up (no ``prefill_side_channels``). Its first pull finds the pair
-    unpairable and fails (HTTP 500 under vLLM's default ``kv_load_failure_policy=fail``); from
-    then on decode computes what that prefill engine prefilled, releasing its holds, so later
-    requests are answered, equal to decode's own colocated answers, and no other pull fails.
-    Both instances stay up and every block comes back."""
+    """Issue #44 item 3: a prefill of another dtype (bfloat16 beside a float32 decode, same
+    block size: nothing in its ``kv_transfer_params`` tells) that decode was not told of at
+    start-up (no ``prefill_side_channels``). Its first pull finds the pair unpairable and fails
+    (HTTP 500 under vLLM's default ``kv_load_failure_policy=fail``); from then on decode computes
+    what that prefill engine prefilled, releasing its holds, so later requests are answered,
+    equal to decode's own colocated answers, and no other pull fails. Both instances stay up and
+    every block comes back."""
     model = str(build_tiny_model(TinyModelSpec(num_kv_heads=2)))
     spec = DeploymentSpec(
-        model,
-        prefill_tp=1,
-        decode_tp=1,
-        block_size=64,
-        prefill_block_size=96,
-        pair_at_start=False,
-        log_dir=str(tmp_path),
+        model, prefill_tp=1, decode_tp=1, block_size=64, pair_at_start=False, log_dir=str(tmp_path)
     )
+    pd = LocalDeployment(spec)
+    pd.prefill = pd.make_server("kv_producer", dtype="bfloat16")
     prompts = ["an unpairable prefill", " ".join(f"word{i} of a longer prompt" for i in range(30))]
-    with LocalDeployment(spec) as pd:
+    with pd:
         name = httpx.get(f"{pd.decode.base_url}/v1/models").json()["data"][0]["id"]
         expected = {p: complete(pd.decode.base_url, name, p, cache_salt="colo") for p in prompts}
         handoff = {"do_remote_decode": True}
@@ -99,7 +96,6 @@ def test_an_incompatible_prefill_not_paired_at_start_fails_once_then_decode_comp
                 "model": name,
                 "prompt": prompts[0],
                 "max_tokens": 4,
-                "temperature": 0,
                 "kv_transfer_params": first["kv_transfer_params"],
             },
             timeout=120,
@@ -117,4 +113,4 @@ def test_an_incompatible_prefill_not_paired_at_start_fails_once_then_decode_comp
         assert metric(pd.decode.base_url, "vllm:kv_cache_usage_perc") == 0
         log = (tmp_path / "decode.log").read_text(errors="replace")
         assert "cannot pair with this decode instance" in log
-        assert "block_size 96 on prefill vs 64 on decode" in log
+        assert "dtype 'torch.bfloat16' on prefill vs 'torch.float32' on decode" in log

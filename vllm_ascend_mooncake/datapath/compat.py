@@ -29,7 +29,12 @@ _FIX_BY_FIELD = {
 
 
 class IncompatiblePeerError(ValueError):
-    """The prefill and decode workers cannot exchange KV (different model, layout, geometry)."""
+    """The prefill and decode workers cannot exchange KV (different model, layout, geometry).
+
+    ``incarnation``: the refused prefill worker's, once its metadata was read, so that decode
+    can still tell it to release what it holds for the request."""
+
+    incarnation: str = ""
 
 
 def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: TransferTopology) -> None:

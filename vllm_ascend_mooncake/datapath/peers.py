@@ -122,13 +122,17 @@ class PeerDirectory:
                 f"prefill instance was restarted or the request names the wrong instance"
             )
         try:
-            topology = self.topologies.with_remote_tp(reply.tp_size)
-        except TopologyError as exc:
-            raise IncompatiblePeerError(
-                f"prefill engine {reply.engine_id} rank {reply.tp_rank} runs TP {reply.tp_size}, "
-                f"which this decode instance cannot read: {exc}"
-            ) from exc
-        check_peer(self._local, reply, topology)
+            try:
+                topology = self.topologies.with_remote_tp(reply.tp_size)
+            except TopologyError as exc:
+                raise IncompatiblePeerError(
+                    f"prefill engine {reply.engine_id} rank {reply.tp_rank} runs TP "
+                    f"{reply.tp_size}, which this decode instance cannot read: {exc}"
+                ) from exc
+            check_peer(self._local, reply, topology)
+        except IncompatiblePeerError as exc:
+            exc.incarnation = reply.incarnation  # it can still be told to release its hold
+            raise
         peer = PrefillPeer.of(reply, topology)
         with self._lock:
             self._cache[key] = peer

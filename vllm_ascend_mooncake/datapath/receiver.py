@@ -59,6 +59,7 @@ from ..defaults import (
 from ..log import get_logger
 from ..timeline import PullTimeline
 from .claims import ClaimExchange
+from .compat import IncompatiblePeerError
 from .copy_overlap import CopyOverlap
 from .failures import FailureKind, PullCancelled, PullError, as_pull_error
 from .lanes import FifoLane
@@ -452,10 +453,19 @@ class Receiver:
         # An early pull is bound by its unique transfer id; the engine id it carries may predate
         # a prefill restart (the proxy learns the new one from the answer that follows).
         engine_id = None if pull.early else pull.remote_engine_id
+        refused: IncompatiblePeerError | None = None
         for head_pull in pulls:
             rank = head_pull.prefill_rank
             port = pull.remote_port + rank
-            prefill = self._peers.get(pull.remote_host, port, engine_id)
+            try:
+                prefill = self._peers.get(pull.remote_host, port, engine_id)
+            except IncompatiblePeerError as exc:
+                # every refused rank is still told to release its hold (by _give_up), not left
+                # to its release timeout
+                refused = refused or exc
+                if exc.incarnation:
+                    peers[rank] = LeasedPeer(rank, pull.remote_host, port, "", exc.incarnation)
+                continue
             check_same_tp(prefill, topology)
             remote_tables[rank] = prefill.regions
             peers[rank] = LeasedPeer(
@@ -464,6 +474,8 @@ class Receiver:
             with self._lock:
                 key = (pull.transfer_id, pull.remote_host, port)
                 self._readers[key] = self._readers.get(key, 0) + 1
+        if refused is not None:
+            raise refused
         return _Lookup(topology, seed, pulls, remote_tables)
 
     def _plan_and_read(
