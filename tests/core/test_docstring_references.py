@@ -4,7 +4,8 @@ Docstrings point at other code with roles such as :mod:`.engine`,
 :func:`..core.layout.kernel_block_ids` or :class:`~.wire.RegionInfo`. A module moved or a function
 renamed leaves such a reference pointing nowhere, and nothing but a reader notices. Here each
 module is imported (``__main__`` modules are not: importing one runs the program) and each
-reference in its module, class and function docstrings resolved:
+reference in its module, class and function docstrings and its ``#:`` comments (an attribute's
+docstring for autodoc) resolved:
 
 * leading dots: relative to the module's package, as ``from . import`` reads them (one dot the
   package the module is in, each further dot one package up), then a chain of attributes;
@@ -14,8 +15,8 @@ reference in its module, class and function docstrings resolved:
 
 ``~`` (shorten what is shown) and ``!`` (no link) are dropped first. A class's fields declared
 but not set on the class (dataclass, msgspec, annotations, slots) count. An absolute name whose
-top package cannot be imported here (an optional dependency) is accepted unless it is this
-package's or starts with a name of the module.
+top package cannot be imported here (an optional dependency) is accepted if that name reads as a
+package's (lower case, not this package, not a name where the reference is).
 """
 
 from __future__ import annotations
@@ -68,6 +69,34 @@ def _docstrings(tree: ast.Module) -> list[tuple[tuple[str, ...], int, str]]:
             visit(child, inner)
 
     visit(tree, ())
+    return found
+
+
+def _doc_comments(tree: ast.Module, source: str) -> list[tuple[tuple[str, ...], int, str]]:
+    """(enclosing class names, line, text) of the ``#:`` comments that document attributes (what
+    autodoc reads as their docstrings); consecutive lines are one comment."""
+    classes = []  # (first line, last line, names from the module down)
+
+    def visit(node: ast.AST, names: tuple[str, ...]) -> None:
+        if isinstance(node, ast.ClassDef):
+            names = (*names, node.name)
+            classes.append((node.lineno, node.end_lineno or node.lineno, names))
+        for child in ast.iter_child_nodes(node):
+            visit(child, names)
+
+    visit(tree, ())
+    found: list[tuple[tuple[str, ...], int, str]] = []
+    block: list[str] = []
+    for number, line in enumerate([*source.splitlines(), ""], start=1):
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            block.append(stripped[2:])
+            continue
+        if block:
+            first = number - len(block)
+            inside = [names for start, end, names in classes if start <= first <= end]
+            found.append((max(inside, key=len, default=()), first, "\n".join(block)))
+            block = []
     return found
 
 
@@ -147,7 +176,7 @@ def _resolves(module: ModuleType, classes: tuple[str, ...], target: str) -> bool
         return True
     absolute = _absolute(target)
     if absolute is None:  # an optional dependency missing here: only another package's names
-        return chain[0] != NAME and len(chain) > 1
+        return chain[0] != NAME and chain[0].islower() and len(chain) > 1
     return absolute
 
 
@@ -156,9 +185,10 @@ def _dangling() -> tuple[list[str], list[str], int]:
     dangling = []
     count = 0
     for name, module in sorted(modules.items()):
-        with open(module.__file__, encoding="utf-8") as source:
-            tree = ast.parse(source.read())
-        for classes, line, text in _docstrings(tree):
+        with open(module.__file__, encoding="utf-8") as file:
+            source = file.read()
+        tree = ast.parse(source)
+        for classes, line, text in _docstrings(tree) + _doc_comments(tree, source):
             for match in REFERENCE.finditer(text):
                 count += 1
                 if not _resolves(module, classes, match.group(2)):
@@ -187,6 +217,7 @@ def test_every_docstring_reference_resolves() -> None:
         ("vllm_ascend_mooncake.datapath.wire.RegionInfo", True),
         ("vllm_ascend_mooncake.datapath.wire.Nowhere", False),
         ("not_a_top_package_here.Thing", True),
+        ("NotAPackage.thing", False),
         ("bytes", True),
     ],
 )
