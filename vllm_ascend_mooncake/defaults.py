@@ -16,7 +16,7 @@ PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
 DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
 #: ... and for any other device type.
 FALLBACK_PROTOCOL = "tcp"
-#: How reads wait for completion (``read_wait``): see :mod:`.engine`.
+#: How reads wait for completion (``read_wait``): see :mod:`.datapath.mooncake`.
 READ_WAITS = ("poll", "sync")
 DEFAULT_DEVICE_NAME = ""
 DEFAULT_SIDE_CHANNEL_PORT = 36100
@@ -43,7 +43,7 @@ DEFAULT_STAGING_BUFFER_MIB = 64
 MAX_STAGING_AREAS = 4
 MIN_STAGING_AREA_MIB = 32
 #: The longest a prefill may hold a decode's pending claim open (long poll), at most half of
-#: ``side_channel_timeout_s`` (:attr:`ConnectorConfig.claim_park_s`).
+#: ``side_channel_timeout_s`` (:attr:`.connector.config.ConnectorConfig.claim_park_s`).
 DEFAULT_CLAIM_PARK_S = 1.0
 #: In an engine step that runs no tokens, how long a worker waits for a transfer to end. vLLM
 #: steps in a loop while a request only waits for KV (decode) or holds blocks for readers

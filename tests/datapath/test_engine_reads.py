@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 
 from vllm_ascend_mooncake.datapath.mooncake import MooncakeTransport
-from vllm_ascend_mooncake.datapath.transport import MemoryRange, TransferError
+from vllm_ascend_mooncake.datapath.transport import (
+    MemoryRange,
+    TransferError,
+    TransportSetupError,
+)
 
 SOURCE_BYTES = 4 << 20
 
@@ -87,5 +91,5 @@ def test_unregistered_remote_memory_is_a_transfer_error(peer, read_wait) -> None
 
 
 def test_unknown_read_wait_is_refused() -> None:
-    with pytest.raises(Exception, match="read_wait"):
+    with pytest.raises(TransportSetupError, match=r"read_wait must be one of .*, not 'spin'"):
         MooncakeTransport("127.0.0.1", "tcp", read_wait="spin")

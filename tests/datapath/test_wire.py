@@ -133,7 +133,7 @@ def test_server_survives_malformed_frames_and_handler_errors() -> None:
         assert raw.poll(5000)
         assert b"malformed" in raw.recv_multipart()[1]
         raw.close()
-        with pytest.raises(Exception, match="internal error: boom"):
+        with pytest.raises(PeerRefused, match="refused ClaimRead: internal error: boom"):
             client.request("127.0.0.1", port, ClaimRead("r", 0, "i"))
         assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
     finally:

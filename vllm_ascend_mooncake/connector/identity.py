@@ -1,9 +1,11 @@
-"""What a worker's KV bytes mean: the :class:`~.wire.ModelIdentity` it advertises to peers.
+"""What a worker's KV bytes mean: the :class:`~..datapath.wire.ModelIdentity` it advertises to
+peers.
 
 Two instances can exchange KV only if the bytes mean the same on both: the same model
 configuration (not the same served name or path), dtype, KV-cache dtype, block geometry, attention
 backend and the way that backend packs a block (vLLM's CPU backend lays blocks out per ISA kernel:
-AMX or not), and the same vLLM version. :mod:`.compat` refuses a peer that differs in any of them.
+AMX or not), and the same vLLM version. :mod:`..datapath.compat` refuses a peer that differs in
+any of them.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def model_identity(
     (:func:`.attention_layers.attention_geometry`), not the config's nor any one region's width:
     for MLA it is ``kv_lora_rank + qk_rope_head_dim``, the whole per-token latent, which vLLM
     keeps in one region per layer and vllm-ascend splits into a nope and a rope region (their
-    widths add up to it). Each region's own width travels in its :class:`~.wire.RegionInfo`,
-    and :mod:`.compat` pairs regions one by one, so a nope region is only ever combined with a
-    nope region of the same width. ``num_layers`` counts layers, not regions.
+    widths add up to it). Each region's own width travels in its
+    :class:`~..datapath.wire.RegionInfo`, and :mod:`..datapath.compat` pairs regions one by one,
+    so a nope region is only ever combined with a nope region of the same width. ``num_layers``
+    counts layers, not regions.
     """
     import vllm
 

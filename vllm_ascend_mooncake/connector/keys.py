@@ -114,7 +114,7 @@ class Computed:
 
     #: how the docs show it
     markdown: str
-    #: the default as a function of the protocol; None: :func:`parse_config` computes it
+    #: the default as a function of the protocol; None: :func:`~.config.parse_config` computes it
     of_protocol: Callable[[str], Any] | None = None
 
 
@@ -198,11 +198,11 @@ class Key:
     #: the rest of its row in the docs
     details: str = ""
     unit: str = ""
-    #: checked on every given value by :func:`parse_config` (with the type)
+    #: checked on every given value by :func:`~.config.parse_config` (with the type)
     bound: Bound | None = None
     #: given values that mean "the default" (kept: earlier versions accepted them)
     as_default: Bound | None = None
-    #: checked, type included, by the key's own code in :func:`parse_config`; the docs show
+    #: checked, type included, by the key's own code in :func:`~.config.parse_config`; the docs show
     #: ``allowed`` then
     own_check: bool = False
     #: the docs' type column, if not the type's name

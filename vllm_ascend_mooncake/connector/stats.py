@@ -1,8 +1,8 @@
 """Transfer statistics, aggregated across workers and logged the vLLM way ("KV Transfer metrics").
 
 Workers record each completed pull (duration, bytes, descriptors, and the seconds spent in each
-phase of its :mod:`.timeline`), failed pulls by kind (:class:`~.failures.FailureKind`), and on
-prefill the releases by timeout and how long
+phase of its :mod:`..timeline`), failed pulls by kind
+(:class:`~..datapath.failures.FailureKind`), and on prefill the releases by timeout and how long
 a finished request waited for its hold to be registered; vLLM ships the plain ``data`` dict to the
 logging process, where :meth:`TransferStats.reduce` turns an interval's observations into a few
 numbers and :class:`TransferPromMetrics` into histograms.

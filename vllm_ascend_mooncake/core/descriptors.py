@@ -56,7 +56,7 @@ def needs_staging(local: RegionLayout, remote: RegionLayout, pull: HeadPull) -> 
       (:mod:`.plan_tokens`).
 
     The one place this is decided: the planner stages by it, and the receiver asks it (through
-    :func:`request_needs_staging`) whether a request needs a staging area."""
+    :func:`~.plan.request_needs_staging`) whether a request needs a staging area."""
     head_major = effective_order(local, remote) is BlockOrder.HEAD_MAJOR
     if head_major:
         return local.tokens_per_block != remote.tokens_per_block

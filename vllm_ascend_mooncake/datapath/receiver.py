@@ -80,7 +80,7 @@ logger = get_logger(__name__)
 class ReceiverOptions:
     """The decode side's settings, in bytes and seconds. Those that are keys of
     kv_connector_extra_config default to the configuration's defaults (config.py); the worker
-    passes the configured values (:class:`~.config.ConnectorConfig`)."""
+    passes the configured values (:class:`~..connector.config.ConnectorConfig`)."""
 
     max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
     coalesce_runs: bool = DEFAULT_COALESCE_RUNS

@@ -102,12 +102,12 @@ def regions_from_split_caches(
 ) -> list[Region]:
     """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order.
 
-    With ``is_mla`` every tensor of a layer's tuple is one :attr:`~BlockOrder.LATENT` region,
-    replicated on every rank and described from its own shape (widths may differ): a pair is
+    With ``is_mla`` every tensor of a layer's tuple is one :attr:`~..core.layout.BlockOrder.LATENT`
+    region, replicated on every rank and described from its own shape (widths may differ): a pair is
     ``(nope, rope)``, named ``<layer>.nope`` and ``<layer>.rope``; a single latent keeps the layer
     name; more parts (DeepSeek V3.2 on vllm-ascend 0.23: nope, rope, the indexer's keys and their
-    scales) are named ``<layer>.<position>``. Without it a pair is ``(K, V)``, token- or
-    head-major (``head_major``: the layout variable vllm-ascend's backend reads, see
+    scales) are named ``<layer>.<position>``. Without it a pair is ``(K, V)``, token- or head-major
+    (``head_major``: the layout variable vllm-ascend's backend reads, see
     :func:`~..core.layout.describe_split_kv_tensor`), named ``<layer>.k`` and ``<layer>.v``.
     """
     regions = []

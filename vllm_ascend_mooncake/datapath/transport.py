@@ -5,7 +5,7 @@ itself with a ``session`` string that peers read from, and copies byte ranges fr
 registered memory into local memory. :class:`~.mooncake.MooncakeTransport` is the real one;
 :class:`~.fake.InProcessTransport` moves bytes between transports in one process, so that the
 receiver, sender and wiring can be unit-tested in milliseconds. A new transport (NIXL, HIXL)
-implements :class:`Transport` and is added to :func:`create_transport`.
+implements :class:`Transport` and is added to :func:`~..connector.wiring.create_transport`.
 
 The errors are part of the contract: :class:`TransferError` means a read failed and *settled* (no
 byte of it will land any more), :class:`UnsettledTransfer` that bytes may still land in local
@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-#: Transports accepted as the ``transport`` key; :func:`create_transport` builds them.
+#: Transports accepted as the ``transport`` key;
+#: :func:`~..connector.wiring.create_transport` builds them.
 TRANSPORTS = ("mooncake",)
 
 

@@ -35,7 +35,7 @@ def engine_env(
       torch.compile removes the stall and changes no output.
     * ``VAM_SHM_BUSY_WAIT_S=0.005``: vLLM's processes busy-wait 1 s for each other after every
       step; with prefill and decode on the same two cores each instance's spinning starves the
-      other (decode's inter-token latency was 16x colocated); see :mod:`..busy_wait`.
+      other (decode's inter-token latency was 16x colocated); see :mod:`..connector.busy_wait`.
     * ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP threads (GNU libgomp) otherwise spin after
       every parallel region; two instances' spinning teams on the same cores slow each other's
       forward passes (P/D inter-token latency p99 144 -> 46 ms, TTFT p50 at concurrency 2

