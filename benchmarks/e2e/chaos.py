@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import json
+import math
 import os
 import random
 import signal
@@ -395,7 +396,9 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
                     outcomes.append(o)
 
         def since() -> float:
-            return round(time.monotonic() - load_started, 1)
+            """Seconds since the load started, to a tenth, rounded down (a fault's start is
+            never stamped after the fault began)."""
+            return math.floor((time.monotonic() - load_started) * 10) / 10
 
         def wait_ended(count: int) -> None:
             while len(outcomes) < count:
@@ -404,9 +407,11 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
         def inject() -> None:
             try:
                 wait_ended(settings.requests // 5)
+                # Each fault is stamped as it begins (before the signal), so a request it
+                # breaks at once ends inside its window.
+                faults["prefill B killed"] = since()
                 os.killpg(servers["prefill-b"].pid, signal.SIGKILL)
                 servers["prefill-b"].stop()
-                faults["prefill B killed"] = since()
                 restarted = pd.make_server(
                     "kv_producer",
                     port=prefill_b.port,
@@ -419,15 +424,15 @@ def run_chaos(settings: ChaosSettings) -> ChaosReport:
                     restarted.wait_ready()
                 faults["prefill B back"] = since()
                 wait_ended(len(outcomes) + settings.requests // 5)
-                os.killpg(pd.prefill.pid, signal.SIGSTOP)
                 faults["prefill A frozen"] = since()
+                os.killpg(pd.prefill.pid, signal.SIGSTOP)
                 time.sleep(settings.freeze_s)
                 os.killpg(pd.prefill.pid, signal.SIGCONT)
                 faults["prefill A thawed"] = since()
                 if network is not None:
                     wait_ended(len(outcomes) + settings.requests // 5)
-                    network.set_link(*SLOW_LINK)
                     faults["link slowed"] = since()
+                    network.set_link(*SLOW_LINK)
                     wait_ended(len(outcomes) + settings.requests // 5)
             finally:
                 faults_done.set()

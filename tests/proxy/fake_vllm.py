@@ -141,9 +141,11 @@ class FakeVllm:
         self.says_chat_prompt_ids = True
         #: The engine ignores ``return_token_ids`` (answers without token ids).
         self.ignores_return_token_ids = False
-        #: How a stream ends early: None (it does not), "cut" (the connection closes after its
-        #: first chunk, no ``[DONE]``) or "error" (an error event follows its first chunk); the
-        #: request is aborted then, so a prefill holds nothing.
+        #: How a stream ends early: None (it does not), "cut" (the stream ends after its first
+        #: chunk, no ``[DONE]``), "error" (an error event follows its first chunk) or "dies"
+        #: (the connection closes mid-body after its first chunk, as when the engine is
+        #: killed: the client reads an incomplete chunked body); the request is aborted then,
+        #: so a prefill holds nothing.
         self.stream_ends_early: str | None = None
         #: The transfers this fake, as the connector's prefill, holds KV under.
         self.held: set[str] = set()
@@ -378,6 +380,8 @@ class FakeVllm:
                 await asyncio.to_thread(self.stream_gate.wait, 10)
                 if self.stream_ends_early == "cut":
                     return
+                if self.stream_ends_early == "dies":
+                    raise ConnectionAbortedError(f"{self.name} was killed mid-stream")
                 if self.stream_ends_early == "error":
                     error = {"message": "the engine failed", "type": "InternalServerError"}
                     yield f"data: {json.dumps({'error': {**error, 'code': 500}})}\n\n".encode()

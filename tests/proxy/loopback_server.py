@@ -157,8 +157,31 @@ def drops_every_connection() -> contextlib.AbstractContextManager[str]:
     request: the client sees "Server disconnected without sending a response"."""
 
     def read_and_close(connection: socket.socket, stop: threading.Event) -> None:
+        # The whole request is read before the close: closing with unread bytes (a body that
+        # came in a second segment) would reset the connection, which the client reads as a
+        # ReadError rather than a disconnect.
         connection.settimeout(1)
+        received = b""
         with contextlib.suppress(OSError):
-            connection.recv(65536)  # the request arrives; no answer is sent
+            while b"\r\n\r\n" not in received:
+                data = connection.recv(65536)
+                if not data:
+                    return
+                received += data
+            head, body = received.split(b"\r\n\r\n", 1)
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")[1:]
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            while len(body) < length:
+                data = connection.recv(65536)
+                if not data:
+                    return
+                body += data
+        # no answer is sent
 
     return _raw_server(read_and_close)

@@ -600,3 +600,44 @@ def test_a_keep_alive_connection_closed_at_reuse_does_not_fail_a_health_check() 
     with one_request_per_connection() as url:
         balancer = asyncio.run(probe_three_times(url))
     assert balancer.state(balancer.upstreams[0]) is CircuitState.HEALTHY
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_a_prefill_killed_before_its_first_token_costs_the_client_nothing(
+    start_proxy: StartProxy, streamed: bool
+) -> None:
+    """The chaos run (#43) saw a client answered 502 ("incomplete chunked read") when the
+    prefill its streamed first-token leg went to was killed mid-stream. The client had seen
+    nothing, so the proxy asks another prefill, as for one that never answered."""
+    dying, live, decode = FakeVllm("dying"), FakeVllm("live"), FakeVllm("decode")
+    for fake in (dying, live, decode):
+        fake.generates = fake.hands_off_like_the_connector = True
+    with ExitStack() as stack:
+        dying_url, live_url, decode_url = (
+            stack.enter_context(serve_on_loopback(fake.app())) for fake in (dying, live, decode)
+        )
+        proxy = start_proxy(
+            [dying_url, live_url],
+            [decode_url],
+            first_token="prefill",
+            health_interval_s=0,
+            ejection=NEVER_EXPIRES,
+        )
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for _ in range(2):  # whole legs teach the proxy both prefills' addresses
+            assert proxy.post("/v1/chat/completions", json=chat).is_success
+        assert len(dying.generation_requests()) == 1
+        dying.stream_ends_early = "dies"
+
+        answers = [
+            proxy.post("/v1/chat/completions", json={**chat, "stream": streamed}) for _ in range(4)
+        ]
+
+        assert [answer.status_code for answer in answers] == [200] * 4
+        for answer in answers:
+            assert '"error"' not in answer.text, answer.text
+            if streamed:
+                assert answer.text.endswith("data: [DONE]\n\n")
+        dying_legs = dying.generation_requests()[1:]
+        assert [leg.body["stream"] for leg in dying_legs] == [True]  # then it was ejected
+        assert "before its first token" in entry(proxy, "prefill", dying_url)["last_failure"]

@@ -24,7 +24,7 @@ from . import continuation
 from .balancer import Upstream
 from .client_request import ClientRequest
 from .continuation import FirstToken
-from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, error_response
+from .errors import NO_ANSWER_FAILURES, UpstreamUnreachable, describe_error, error_response
 from .flags import is_true
 from .legs import Legs
 from .model_limits import ModelLimits
@@ -300,7 +300,7 @@ class ContinuedLegs:
         proxy as soon as it is sampled, before prefill builds its whole answer. Returns the
         instance, its token and the params decode reads with; a response for the client when
         prefill failed with an answer; None when the leg must go whole (the engine's address is
-        not known, or prefill did not answer at all)."""
+        not known, or prefill did not answer at all or broke off before its token)."""
         legs = self.legs
         upstream = legs.prefill.ranked()[0]
         choice = legs.prefill_ranks.choose(upstream.url)
@@ -338,6 +338,21 @@ class ContinuedLegs:
             held_at = overlapped_decode_params(choice.address, transfer_id) if held else None
             try:
                 chunks = await reader.until_token()
+            except NO_ANSWER_FAILURES as error:
+                # Prefill died or dropped the connection before its token (a killed engine
+                # ends its stream mid-body): the client has seen nothing, so another instance
+                # is asked, as for a prefill that never answered.
+                legs.drop_hold(held_at)
+                failure = f"POST {request.path}: {describe_error(error)} before its first token"
+                legs.upstreams.outcomes.failed(legs.prefill, upstream, failure)
+                legs.prefill_ranks.forget(upstream.url)
+                logger.warning(
+                    "request %s: prefill %s's stream broke off before its token (%s); asking again",
+                    request.request_id,
+                    upstream.url,
+                    describe_error(error),
+                )
+                return None
             except (httpx.HTTPError, ValueError) as error:
                 legs.drop_hold(held_at)  # whatever prefill got to hold, nobody reads it
                 return legs.invalid_prefill(upstream, request.path, error)
