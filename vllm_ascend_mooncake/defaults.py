@@ -28,6 +28,10 @@ DEFAULT_PREFILL_WAIT_S = 120.0
 #: answer before serving without it (prefill and decode are often started together, and a
 #: prefill's side channel listens once its KV cache is allocated).
 DEFAULT_PAIR_WAIT_S = 120.0
+#: How long decode's scheduler holds a prefill engine's first request for the pairing probe
+#: (``pair_before_pull``) before leaving the handshake to its pull: a side channel's metadata
+#: request retried within its timeouts fits, a host that swallows packets does not.
+PAIRING_WAIT_S = 30.0
 DEFAULT_READ_RETRIES = 1
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 #: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.

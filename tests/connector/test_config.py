@@ -528,6 +528,7 @@ def test_every_bound_is_declared_on_the_keys_it_checks() -> None:
         "side_channel_secret",  # its length is checked with the environment's
         "coalesce_runs",  # a bool
         "verify_reads",  # a bool
+        "pair_before_pull",  # a bool
         "ascend_local_comm_res_path",  # not read here
     }
 

@@ -466,7 +466,7 @@ def test_a_prefill_engine_found_unpairable_is_computed_locally_from_then_on() ->
     engine = prefill_params(70)["remote_engine_id"]
     before = request("d-20", 70, prefill_params(70))
     assert d.get_num_new_matched_tokens(before, 0) == (70, True)
-    d.note_unpairable(engine, "block size 32 on prefill vs 64 on decode ...")
+    d.pairings.note_unpairable(engine, "block size 32 on prefill vs 64 on decode ...")
     after = request("d-21", 70, {**prefill_params(70), "remote_request_id": "p-21"})
     assert d.get_num_new_matched_tokens(after, 0) == (0, False)
     assert after.kv_transfer_params["do_remote_prefill"] is False

@@ -13,7 +13,15 @@ import pytest
 from test_peers import BLOCK_SIZE, HEADS, HOST, TOPOLOGY, CountingClient, directory, metadata
 
 from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError
-from vllm_ascend_mooncake.datapath.pairing import Endpoint, pair_with_prefills, parse_endpoints
+from vllm_ascend_mooncake.datapath.orders import PairingOrder
+from vllm_ascend_mooncake.datapath.pairing import (
+    Endpoint,
+    PairingOutcome,
+    PairingProbes,
+    PairingVerdict,
+    pair_with_prefills,
+    parse_endpoints,
+)
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.launch.ports import free_port_range
 
@@ -121,3 +129,52 @@ def test_a_prefill_that_never_answers_is_left_for_its_first_request(client) -> N
         assert directory(client).get(HOST, port).engine_id == "prefill"
     finally:
         close(senders)
+
+
+# --- the probe before a prefill engine's first pull (pair_before_pull) ------------------------
+
+
+def probe_verdicts(client, order) -> list:
+    """Run one pairing order through :class:`PairingProbes` as decode's TP rank 0 does."""
+    probes = PairingProbes(directory(client))
+    try:
+        probes.submit(order)
+        deadline = time.monotonic() + 30
+        verdicts: list = []
+        while not verdicts and time.monotonic() < deadline:
+            probes.wait_for_verdict(1.0)
+            verdicts = probes.take_verdicts()
+        return verdicts
+    finally:
+        probes.close()
+
+
+def test_the_probe_pairs_every_rank_so_the_first_pull_finds_them_paired(client) -> None:
+    port = free_port_range(2)
+    senders = start_prefill(port, tp_size=2)
+    try:
+        engine = senders[0].metadata.engine_id
+        (verdict,) = probe_verdicts(client, PairingOrder(engine, HOST, port, 2))
+        assert verdict == PairingVerdict(engine, PairingOutcome.PAIRED)
+        assert client.fetches == 2
+    finally:
+        close(senders)
+
+
+def test_the_probe_refuses_a_prefill_decode_cannot_read_with_the_reason(client) -> None:
+    port = free_port_range(1)
+    senders = start_prefill(port, block_size=3 * BLOCK_SIZE // 2)  # 24: neither divides 16
+    try:
+        engine = senders[0].metadata.engine_id
+        (verdict,) = probe_verdicts(client, PairingOrder(engine, HOST, port, 1))
+        assert verdict.outcome is PairingOutcome.REFUSED
+        assert "block_size 24 on prefill vs 16 on decode" in verdict.reason
+    finally:
+        close(senders)
+
+
+@pytest.mark.parametrize("host", [HOST, "a b"], ids=["nobody-listens", "malformed-host"])
+def test_a_prefill_the_probe_cannot_reach_is_left_to_its_pulls(client, host) -> None:
+    port = free_port_range(1)  # nobody listens there
+    (verdict,) = probe_verdicts(client, PairingOrder("engine-gone", host, port, 1))
+    assert verdict.outcome is PairingOutcome.UNREACHABLE and verdict.reason

@@ -409,3 +409,85 @@ def test_a_preempted_decode_request_recomputes_without_a_second_pull() -> None:
     assert asked[0] == (0, (48, True)) and len(asked) > 1
     assert set(asked[1:]) == {(48, (0, False))}
     d.assert_empty()
+
+
+def pairing_verdict(engine_id: str, outcome: str, reason: str = ""):
+    """The workers' stats carrying one pairing probe's verdict, as decode's TP rank 0 reports it
+    (``connector/worker.py``, ``datapath/pairing.py``)."""
+    from vllm_ascend_mooncake.connector.stats import TransferStats
+    from vllm_ascend_mooncake.datapath.pairing import PairingOutcome, PairingVerdict
+
+    stats = TransferStats()
+    stats.record_pairing(PairingVerdict(engine_id, PairingOutcome(outcome), reason))
+    return stats.take()
+
+
+def test_the_first_request_of_a_prefill_engine_waits_for_pairing_then_pulls() -> None:
+    """Issue #44 item 3: decode holds a prefill engine's first request (vLLM's scheduler skips
+    it: no blocks allocated, nothing scheduled) until its workers paired with that engine;
+    then it pulls as usual, and later requests of that engine pull at once."""
+    d = decode(extra={"pair_before_pull": True})
+    req = d.request("d-1", 40, params=remote_prefill_params(40, [11, 12, 13]), max_tokens=2)
+
+    step = d.step()
+    (pairing,) = step.orders.pairings
+    assert (pairing.engine_id, pairing.remote_host, pairing.remote_port) == (
+        "engine-p",
+        SIDE_CHANNEL_HOST,
+        SIDE_CHANNEL_PORT,
+    )
+    assert req.status == RequestStatus.WAITING and not step.orders.pulls
+    assert d.free_blocks() == d.initial_free_blocks
+    step = d.step()  # still pairing: asked again, no second probe
+    assert not step.orders.pairings and not step.orders.pulls
+
+    d.step(stats=pairing_verdict("engine-p", "paired"))
+    step = d.step()
+    (pull,) = step.orders.pulls
+    assert pull.request_id == "d-1" and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    later = d.request(
+        "d-2", 40, params={**remote_prefill_params(40, [21, 22, 23]), "remote_request_id": "p-2"}
+    )
+    step = d.step()
+    assert [p.request_id for p in step.orders.pulls] == ["d-2"] and not step.orders.pairings
+    d.step(finished_recving={"d-1", "d-2"})
+    run_to_end(d, "d-1")
+    d.abort("d-2")
+    d.assert_empty()
+    assert later.is_finished()
+
+
+def test_a_prefill_engine_the_probe_refuses_costs_its_first_request_nothing() -> None:
+    """Issue #44 item 3: a prefill engine decode cannot read (another dtype, say) used to fail
+    its first request (HTTP 500 under vLLM's default ``kv_load_failure_policy``). The probe
+    refuses it before any pull: that request and every later one of that engine are computed
+    here, prefill told to release its holds."""
+    d = decode(extra={"pair_before_pull": True})
+    req = d.request("d-1", 40, params=remote_prefill_params(40, [11, 12, 13]), max_tokens=2)
+    assert d.step().orders.pairings
+
+    d.step(stats=pairing_verdict("engine-p", "refused", "dtype bf16 on prefill vs f32 here"))
+    step = d.step()
+    assert step.scheduled == {"d-1": 40}  # the whole prompt computed here
+    assert [(p.transfer_id, p.release_only) for p in step.orders.pulls] == [("p-1", True)]
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    run_to_end(d, "d-1")
+    params = {**remote_prefill_params(40, [1, 2, 3]), "remote_request_id": "p-2"}
+    d.request("d-2", 40, params=params)
+    step = d.step()
+    assert step.scheduled == {"d-2": 40} and not step.orders.pairings
+    assert [(p.transfer_id, p.release_only) for p in step.orders.pulls] == [("p-2", True)]
+    run_to_end(d, "d-2")
+    d.assert_empty()
+
+
+def test_a_request_aborted_while_its_prefill_is_paired_releases_prefills_hold() -> None:
+    """A client that leaves while decode pairs with its prefill: the request never got blocks,
+    and prefill is told to release what it holds for it."""
+    d = decode(extra={"pair_before_pull": True})
+    d.request("d-1", 40, params=remote_prefill_params(40, [11, 12, 13]), max_tokens=2)
+    assert d.step().orders.pairings
+    d.abort("d-1")
+    step = d.step(stats=pairing_verdict("engine-p", "paired"))
+    assert [(p.transfer_id, p.release_only) for p in step.orders.pulls] == [("p-1", True)]
+    d.assert_empty()

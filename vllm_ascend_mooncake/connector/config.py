@@ -92,6 +92,8 @@ class ConnectorConfig:
     verify_reads: bool = False
     prefill_side_channels: str = ""
     pair_wait_s: float = DEFAULT_PAIR_WAIT_S
+    #: decode: hold a prefill engine's first request until paired (datapath/pairing.py)
+    pair_before_pull: bool = True
     read_wait: str = default_read_wait(FALLBACK_PROTOCOL)
     transport: str = DEFAULT_TRANSPORT
     #: in an engine step that runs no tokens, how long a worker waits for a transfer to end

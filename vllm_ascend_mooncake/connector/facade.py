@@ -134,7 +134,9 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         stats = connector_output.kv_connector_stats
         if isinstance(stats, TransferStats):
             for engine_id, reason in stats.unpairable_engines():
-                self._scheduler.note_unpairable(engine_id, reason)
+                self._scheduler.pairings.note_unpairable(engine_id, reason)
+            for verdict in stats.pairings():
+                self._scheduler.pairings.note_verdict(verdict)
         self._scheduler.filter_output(connector_output)
 
     def request_finished(

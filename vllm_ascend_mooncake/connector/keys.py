@@ -32,6 +32,7 @@ from ..defaults import (
     DEFAULT_STAGING_BUFFER_MIB,
     DEFAULT_TRANSPORT,
     FALLBACK_PROTOCOL,
+    PAIRING_WAIT_S,
     PROTOCOLS,
     READ_WAITS,
     default_block_reads_from_kib,
@@ -386,6 +387,23 @@ KEYS: tuple[Key, ...] = (
         ),
         unit="s",
         bound=POSITIVE,
+    ),
+    Key(
+        "pair_before_pull",
+        bool,
+        True,
+        summary=(
+            "decode only: hold the first request from a prefill engine not paired yet until "
+            "decode has handshaken with every rank of it."
+        ),
+        details=(
+            "A prefill this decode cannot read (another model or dtype, block sizes neither "
+            "dividing the other, TP sizes that do not pair, ...) then costs that request nothing:"
+            " it is computed here, as every later request of that prefill engine is, instead of "
+            "failing with HTTP 500 under vLLM's default `kv_load_failure_policy`. The handshake "
+            "is what the first pull would do anyway; a prefill that does not answer within "
+            f"{PAIRING_WAIT_S:g} s is left to the pull. false: the first pull pairs."
+        ),
     ),
     Key(
         "release_timeout_s",

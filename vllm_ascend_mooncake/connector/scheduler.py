@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..core.topology import Topologies
-from ..datapath.orders import HoldOrder, PullOrder, StepOrders
+from ..datapath.orders import HoldOrder, PairingOrder, PullOrder, StepOrders
 from ..log import get_logger
 from ..timeline import TimelineLog
 from .config import ConnectorConfig, is_loopback
@@ -40,6 +40,7 @@ from .params import (
     release_target,
     transfer_id_of,
 )
+from .prefill_pairings import Pairing, PrefillPairings
 from .vllm_compat import chat_takes_forwarded_prompt_ids
 
 if TYPE_CHECKING:
@@ -73,8 +74,8 @@ class ConnectorScheduler:
         self._first_seen: dict[str, float] = {}
         self._load_stamps: dict[str, tuple[str, dict[str, float]]] = {}
         self._warned_loopback: set[str] = set()  # prefill engines already warned about
-        #: prefill engines a pull found unpairable with this decode -> why (bounded, oldest out)
-        self._unpairable: dict[str, str] = {}
+        #: decode: the prefill engines paired, being paired, or found unreadable
+        self.pairings = PrefillPairings(probe_first=config.pair_before_pull)
         #: prefill: whether this vLLM takes chat prompts as forwarded token ids (see params)
         self._chat_prompt_ids = config.is_producer and chat_takes_forwarded_prompt_ids()
 
@@ -123,40 +124,48 @@ class ConnectorScheduler:
             params["do_remote_prefill"] = False
             self._release_rejected(request)
             return None
-        unpairable = self._unpairable.get(remote.remote_engine_id)
-        if unpairable is not None:
-            logger.info(
-                "request %s: prefill engine %s cannot pair with this decode instance (%s); "
-                "computing the prompt locally",
-                request.request_id,
-                remote.remote_engine_id,
-                unpairable,
-            )
-            params["do_remote_prefill"] = False
-            self._release_rejected(request)
+        if self._compute_unpairable(request, remote):
             return None
         self._remote[request.request_id] = remote
         self._pulling[remote.remote_request_id] = request.request_id
         self._warn_if_unreachable(remote)
         return remote
 
-    def note_unpairable(self, engine_id: str, reason: str) -> None:
-        """A pull found prefill engine ``engine_id`` unpairable with this decode (its model,
-        cache geometry or TP cannot be combined with ours): later requests it prefilled are
-        computed here instead of failing the same way, and its holds released. A prefill that
-        restarts gets a new engine id, so a fixed one is paired again."""
-        if engine_id in self._unpairable:
-            return
-        if len(self._unpairable) >= MAX_UNPAIRABLE_ENGINES:
-            del self._unpairable[next(iter(self._unpairable))]
-        self._unpairable[engine_id] = reason
-        logger.warning(
-            "prefill engine %s cannot pair with this decode instance: %s. Requests it prefills "
-            "are computed here from now on (its holds released); fix the instances "
-            "(docs/troubleshooting.md) or take that prefill out of the router",
-            engine_id,
+    def _compute_unpairable(self, request: Request, remote: RemotePrefill) -> bool:
+        """Whether the prefill engine holding ``request``'s KV cannot be read by this decode
+        (a probe or a pull found so): then the prompt is computed here and prefill's hold
+        released, instead of a pull failing the request."""
+        reason = self.pairings.unpairable_reason(remote.remote_engine_id)
+        if reason is None:
+            return False
+        logger.info(
+            "request %s: prefill engine %s cannot pair with this decode instance (%s); "
+            "computing the prompt locally",
+            request.request_id,
+            remote.remote_engine_id,
             reason,
         )
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self._release_rejected(request)
+        return True
+
+    def _pairing(self, request: Request, remote: RemotePrefill) -> Pairing:
+        """Pull, wait for the pairing probe, or compute (:mod:`.prefill_pairings`)."""
+        decision = self.pairings.decide(
+            PairingOrder(
+                remote.remote_engine_id,
+                remote.remote_host,
+                remote.remote_port,
+                remote.remote_tp_size,
+            ),
+            self._orders.pairings,
+        )
+        if decision is Pairing.COMPUTE:
+            self._remote.pop(request.request_id, None)
+            if self._pulling.get(remote.remote_request_id) == request.request_id:
+                del self._pulling[remote.remote_request_id]
+            self._compute_unpairable(request, remote)
+        return decision
 
     def _warn_if_unreachable(self, remote: RemotePrefill) -> None:
         """A prefill advertising loopback to a decode that has a network address is almost
@@ -179,7 +188,7 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         if self.config.is_producer:
             params = request.kv_transfer_params
             if params and params.get("do_remote_decode"):
@@ -188,7 +197,14 @@ class ConnectorScheduler:
         if remote is None:
             return 0, False
         count = remote.prefill_tokens(request.num_prompt_tokens) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        decision = self._pairing(request, remote)
+        if decision is Pairing.WAIT:
+            return None, False  # vLLM asks again next step
+        if decision is Pairing.COMPUTE:
+            return 0, False
+        return count, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -381,10 +397,6 @@ class ConnectorScheduler:
             )
         except InvalidTransferParams:
             return None
-
-
-#: Unpairable prefill engines a decode remembers (each restart of a prefill is a new engine id).
-MAX_UNPAIRABLE_ENGINES = 1024
 
 
 def _expected(reported: set[str] | None, waiting: set[str], what: str) -> set[str] | None:

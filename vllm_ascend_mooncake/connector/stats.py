@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from ..datapath.failures import FailureKind
+from ..datapath.pairing import PairingOutcome, PairingVerdict
 from ..timeline import PHASES
 
 _PHASE_FIELDS = tuple(f"phase_{name}_seconds" for name in PHASES)
@@ -33,8 +34,11 @@ _FIELDS = (
     "expired_releases",
     "hold_delay_seconds",
     #: decode: ``[prefill engine id, why]`` of each prefill found unpairable at a pull, for the
-    #: scheduler side (:meth:`~.scheduler.ConnectorScheduler.note_unpairable`)
+    #: scheduler side (:meth:`~.prefill_pairings.PrefillPairings.note_unpairable`)
     "unpairable_engines",
+    #: decode: ``[prefill engine id, outcome, why]`` of each pairing probe answered (the
+    #: scheduler holds a prefill engine's first request until then, see datapath/pairing.py)
+    "pairings",
     *_PHASE_FIELDS,
 )
 #: Fields logged as a mean per interval: (label, field).
@@ -96,6 +100,16 @@ class TransferStats(KVConnectorStats):
 
     def unpairable_engines(self) -> list[tuple[str, str]]:
         return [(engine, reason) for engine, reason in self.data.get("unpairable_engines", [])]
+
+    def record_pairing(self, verdict: PairingVerdict) -> None:
+        with self._lock:
+            self.data["pairings"].append([verdict.engine_id, verdict.outcome.value, verdict.reason])
+
+    def pairings(self) -> list[PairingVerdict]:
+        return [
+            PairingVerdict(engine, PairingOutcome(outcome), reason)
+            for engine, outcome, reason in self.data.get("pairings", [])
+        ]
 
     def record_expired(self, count: int) -> None:
         if count:

@@ -19,6 +19,7 @@ from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
 from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeTransport
+from ..datapath.pairing import PairingProbes
 from ..datapath.peers import PeerDirectory
 from ..datapath.receiver import Receiver, ReceiverOptions
 from ..datapath.registration import kv_memory_ranges
@@ -160,8 +161,12 @@ class DecodeSide:
     memory: LocalMemory
     #: the registered staging buffers (empty when the topology never stages)
     staging: list[torch.Tensor] = field(default_factory=list)
+    #: pairing with prefill engines before their first pull (answered by TP rank 0 only)
+    pairings: PairingProbes | None = None
 
     def close(self) -> None:
+        if self.pairings is not None:
+            self.pairings.close()
         self.receiver.shutdown()
         self.client.close()
 
@@ -220,7 +225,8 @@ def build_decode_side(
         settings.receiver,
         StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
     )
-    return DecodeSide(receiver, client, peers, metadata, local_memory, staging)
+    pairings = PairingProbes(peers) if who.tp_rank == 0 else None
+    return DecodeSide(receiver, client, peers, metadata, local_memory, staging, pairings)
 
 
 def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -364,6 +364,9 @@ class ConnectorWorker:
                 self.receiver.submit(pull)
             for request_id in orders.cancels:
                 self.receiver.cancel(request_id)
+        if self._decode is not None and self._decode.pairings is not None:
+            for pairing in orders.pairings:
+                self._decode.pairings.submit(pairing)
 
     def get_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
@@ -373,11 +376,16 @@ class ConnectorWorker:
             wait_s = self.config.idle_step_wait_s
             if self.receiver is not None:
                 self.receiver.wait_for_news(wait_s)
+            if self._decode is not None and self._decode.pairings is not None:
+                self._decode.pairings.wait_for_verdict(wait_s)
             if self.sender is not None:
                 self.sender.tracker.wait_for_news(wait_s)
         if self.sender is not None:
             sending = self.sender.tracker.take_finished()
             self.stats.record_expired(self.sender.tracker.take_expired_count())
+        if self._decode is not None and self._decode.pairings is not None:
+            for verdict in self._decode.pairings.take_verdicts():
+                self.stats.record_pairing(verdict)
         if self.receiver is not None:
             done, failed = self.receiver.take_finished()
             recving = done | set(failed)

@@ -64,6 +64,19 @@ class HoldOrder:
     scheduled_at: float = field(default=0.0, compare=False)
 
 
+@dataclass(frozen=True)
+class PairingOrder:
+    """Handshake with every TP rank of prefill engine ``engine_id`` (side channel of rank ``r``
+    at ``remote_port + r``) and report whether this decode can read it, before the first pull
+    from it: a prefill that cannot be read then costs a request nothing (it is computed here)
+    instead of failing it."""
+
+    engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+
+
 @dataclass
 class StepOrders:
     """What the scheduler asks the workers to do this step (carried by the step metadata)."""
@@ -73,4 +86,6 @@ class StepOrders:
     drops: list[str] = field(default_factory=list)  # transfer ids prefill will never hand off
     # requests that finished (aborted) while their KV was loading: stop waiting for prefill
     cancels: list[str] = field(default_factory=list)
+    # decode: prefill engines to pair with before the first pull from each
+    pairings: list[PairingOrder] = field(default_factory=list)
     idle: bool = False  # the step runs no tokens: workers may wait a little for transfers

@@ -10,16 +10,24 @@ with the reason and the fix, and the first requests find their peers paired alre
 
 A listed prefill that does not answer within ``wait_s`` (not started yet, a host down) is not a
 refusal: start-up goes on with a warning and that prefill is paired on its first request.
+
+A prefill not listed is paired before its first pull instead (:class:`PairingProbes`): the
+scheduler holds that request back while rank 0 of this decode instance handshakes with every
+rank of the prefill engine, and computes it here if the prefill cannot be read.
 """
 
 from __future__ import annotations
 
+import enum
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..log import get_logger
 from .compat import IncompatiblePeerError
+from .orders import PairingOrder
 from .peers import PeerDirectory, PrefillPeer
 from .side_channel import SideChannelError
 
@@ -125,3 +133,88 @@ def _listens(host: str, port: int, timeout_s: float) -> bool:
             return True
     except OSError:
         return False
+
+
+class PairingOutcome(enum.Enum):
+    PAIRED = "paired"
+    #: this decode cannot read that prefill (model, dtype, cache geometry or TP)
+    REFUSED = "refused"
+    #: it did not answer (down, restarted, a bad address): its pulls find out for themselves
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class PairingVerdict:
+    engine_id: str
+    outcome: PairingOutcome
+    reason: str = ""
+
+
+def probe_prefill(peers: PeerDirectory, order: PairingOrder) -> PairingVerdict:
+    """Handshake with every TP rank of the prefill engine ``order`` names (the peers directory
+    keeps what it learns, so the first pull finds its peers paired)."""
+    for rank in range(order.remote_tp_size):
+        port = order.remote_port + rank
+        try:
+            peers.get(order.remote_host, port, order.engine_id)
+        except IncompatiblePeerError as exc:
+            return PairingVerdict(order.engine_id, PairingOutcome.REFUSED, str(exc))
+        except (SideChannelError, ValueError, OSError) as exc:
+            return PairingVerdict(
+                order.engine_id,
+                PairingOutcome.UNREACHABLE,
+                f"rank {rank} at {order.remote_host}:{port}: {exc}",
+            )
+    return PairingVerdict(order.engine_id, PairingOutcome.PAIRED)
+
+
+class PairingProbes:
+    """Answers the scheduler's pairing orders (:class:`~.orders.PairingOrder`) off the step:
+    each is probed on a thread of its own pool (a peer that does not answer holds a probe
+    thread, never a step or a pull), its verdict collected for the scheduler."""
+
+    def __init__(self, peers: PeerDirectory, num_threads: int = 2) -> None:
+        self._peers = peers
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="vam-pair")
+        self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)
+        self._pending = 0
+        self._verdicts: list[PairingVerdict] = []
+
+    def submit(self, order: PairingOrder) -> None:
+        with self._lock:
+            self._pending += 1
+        self._pool.submit(self._run, order)
+
+    def wait_for_verdict(self, timeout_s: float) -> None:
+        """In an idle step: block up to ``timeout_s`` while a probe runs and no verdict is
+        waiting (the held request is all the engine has to do)."""
+        with self._news:
+            if self._pending and not self._verdicts:
+                self._news.wait(timeout_s)
+
+    def _run(self, order: PairingOrder) -> None:
+        try:
+            verdict = probe_prefill(self._peers, order)
+        except Exception as exc:  # a verdict always comes back: the scheduler holds a request
+            logger.exception("pairing with prefill engine %s failed", order.engine_id)
+            verdict = PairingVerdict(order.engine_id, PairingOutcome.UNREACHABLE, repr(exc))
+        if verdict.outcome is PairingOutcome.UNREACHABLE:
+            logger.info(
+                "could not pair with prefill engine %s before its first pull (%s); the pull "
+                "tries again",
+                order.engine_id,
+                verdict.reason,
+            )
+        with self._news:
+            self._pending -= 1
+            self._verdicts.append(verdict)
+            self._news.notify_all()
+
+    def take_verdicts(self) -> list[PairingVerdict]:
+        with self._lock:
+            verdicts, self._verdicts = self._verdicts, []
+        return verdicts
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

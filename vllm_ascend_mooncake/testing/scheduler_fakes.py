@@ -34,7 +34,9 @@ def connector_scheduler(
 ) -> ConnectorScheduler:
     """The scheduler side of a ``role`` (``"kv_producer"`` or ``"kv_consumer"``) instance of a
     prefill TP ``prefill_tp`` -> decode TP ``decode_tp`` deployment, no data parallelism;
-    ``extra`` adds to (or replaces) its ``kv_connector_extra_config``."""
+    ``extra`` adds to (or replaces) its ``kv_connector_extra_config``. No worker answers a
+    pairing probe here, so ``pair_before_pull`` is off unless ``extra`` turns it on (the
+    probe's own tests do, and answer it)."""
     return ConnectorScheduler(
         parse_config(
             kv_role=role,
@@ -42,6 +44,7 @@ def connector_scheduler(
             extra={
                 "prefill": {"tp_size": prefill_tp},
                 "decode": {"tp_size": decode_tp},
+                "pair_before_pull": False,
                 **(extra or {}),
             },
             local_tp=prefill_tp if role == "kv_producer" else decode_tp,

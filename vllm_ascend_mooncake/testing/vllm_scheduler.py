@@ -55,6 +55,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -153,10 +154,11 @@ def vllm_config(
 
     ``prefill_tp`` / ``decode_tp`` (default: ``tensor_parallel_size``) go to the connector's
     ``kv_connector_extra_config``, with prefill's side channel on :data:`SIDE_CHANNEL_PORT`;
-    ``extra`` adds to it. ``kv_load_failure_policy``: vLLM's ``"recompute"`` or ``"fail"``
-    (None: vLLM's default). ``async_scheduling``: what GPU and NPU engines run by default
-    (``AsyncScheduler``, two batches in flight); vLLM's CPU platform turns it off, so CPU
-    engines run the synchronous ``Scheduler``."""
+    ``extra`` adds to it (``pair_before_pull`` is off unless it turns it on: the caller then
+    answers the pairing probes, :meth:`Instance.step`'s ``stats``). ``kv_load_failure_policy``:
+    vLLM's ``"recompute"`` or ``"fail"`` (None: vLLM's default). ``async_scheduling``: what
+    GPU and NPU engines run by default (``AsyncScheduler``, two batches in flight); vLLM's CPU
+    platform turns it off, so CPU engines run the synchronous ``Scheduler``."""
     register_connector()  # VllmConfig asks the connector class for its KV cache layout
     model_config = ModelConfig(
         model=_model_dir(),
@@ -182,6 +184,7 @@ def vllm_config(
             "decode": {"tp_size": decode_tp or tensor_parallel_size},
             "side_channel_host": SIDE_CHANNEL_HOST,
             "side_channel_port": SIDE_CHANNEL_PORT,
+            "pair_before_pull": False,  # no worker answers a probe here (see Instance.step)
             **(extra or {}),
         },
     }
@@ -352,6 +355,7 @@ def runner_output(
     finished_sending: Iterable[str] | None = None,
     finished_recving: Iterable[str] | None = None,
     invalid_block_ids: Iterable[int] | None = None,
+    stats: KVConnectorStats | None = None,
 ) -> ModelRunnerOutput:
     """What a model runner returns for ``scheduler_output``: one sampled token (``tokens``, else
     :data:`OTHER_TOKEN_ID`) for each request in ``sampling`` (:func:`sampling_requests`), none
@@ -362,11 +366,12 @@ def runner_output(
         [tokens.get(req_id, OTHER_TOKEN_ID)] if req_id in sampling else [] for req_id in req_ids
     ]
     report = None
-    if finished_sending or finished_recving or invalid_block_ids:
+    if finished_sending or finished_recving or invalid_block_ids or stats:
         report = KVConnectorOutput(
             finished_sending=set(finished_sending) if finished_sending else None,
             finished_recving=set(finished_recving) if finished_recving else None,
             invalid_block_ids=set(invalid_block_ids or ()),
+            kv_connector_stats=stats,
         )
     kwargs: dict[str, Any] = {
         "req_ids": req_ids,
@@ -438,6 +443,7 @@ class Instance:
         #: scheduled batches whose output has not been processed yet, newest first
         self.in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
         self._report: dict[str, set[Any]] = {}
+        self._stats: KVConnectorStats | None = None
 
     @property
     def connector(self) -> MooncakeHeteroConnector:
@@ -486,10 +492,14 @@ class Instance:
         finished_sending: Iterable[str] | None = None,
         finished_recving: Iterable[str] | None = None,
         invalid_block_ids: Iterable[int] | None = None,
+        stats: KVConnectorStats | None = None,
     ) -> Step:
         """schedule(), a model runner's output with the given worker report (``tokens``: the
-        token each request samples, default :data:`OTHER_TOKEN_ID`), then update_from_output(),
-        as an engine core's step does."""
+        token each request samples, default :data:`OTHER_TOKEN_ID`; ``stats``: the workers'
+        connector stats, e.g. pairing verdicts), then update_from_output(), as an engine
+        core's step does."""
+        if stats is not None:
+            self._stats = stats if self._stats is None else self._stats.aggregate(stats)
         for name, ids in (
             ("finished_sending", finished_sending),
             ("finished_recving", finished_recving),
@@ -510,8 +520,9 @@ class Instance:
             return Step(None)
         batch, sampling = self.in_flight.pop()
         report, self._report = self._report, {}
+        stats, self._stats = self._stats, None
         result = self.scheduler.update_from_output(
-            batch, runner_output(batch, sampling, tokens=tokens, **report)
+            batch, runner_output(batch, sampling, tokens=tokens, stats=stats, **report)
         )
         return Step(output, [out for engine in result.values() for out in engine.outputs])
 
@@ -524,6 +535,7 @@ class Instance:
     def assert_empty(self) -> None:
         """No request left, no block leaked: the pool is back to its initial free count."""
         assert not self._report, f"a worker report was never delivered: {self._report}"
+        assert self._stats is None, f"worker stats were never delivered: {self._stats}"
         while self.in_flight:  # the engine core runs until its batch queue is empty
             self.step()
         # Block frees deferred past a batch in flight (async scheduling; vLLM 0.30 and later).
