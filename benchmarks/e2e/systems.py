@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,19 @@ class EngineSettings:
     dtype: str = "float32"
     block_size: int = 32
     max_model_len: int = 512
+    #: vLLM's prefix caching: on, off, or vLLM's default (None)
+    prefix_caching: bool | None = None
+    #: environment of every process (e.g. an ``LD_PRELOAD``), over the system's own
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: a TP 1 instance runs its model in a worker process (see :class:`VllmServer`)
+    worker_process: bool = False
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """``vllm serve`` arguments every instance gets from these settings."""
+        if self.prefix_caching is None:
+            return ()
+        return ("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",)
 
     def server(
         self,
@@ -83,8 +96,9 @@ class EngineSettings:
             dtype=self.dtype,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            extra_args=extra_args,
-            extra_env=extra_env,
+            extra_args=[*self.engine_args, *extra_args],
+            extra_env={**extra_env, **self.env},
+            worker_process=self.worker_process,
             log_path=log_path,
         )
 
@@ -179,6 +193,11 @@ class BenchSystem(abc.ABC):
         """Process-group ids of everything this system started (for CPU accounting)."""
         ...
 
+    def named_process_groups(self) -> dict[str, int]:
+        """:meth:`process_groups` by instance (``"prefill"``, ``"proxy"``...), for reports per
+        process; numbered where the system does not name them."""
+        return {f"group{i}": pgid for i, pgid in enumerate(self.process_groups())}
+
     def instances(self) -> dict[str, str]:
         """Base URL of each vLLM instance by role ("prefill", "decode" or "colocated"), whose
         ``/metrics`` the per-phase timeline reads."""
@@ -207,6 +226,9 @@ class ColocatedSystem(BenchSystem):
 
     def process_groups(self) -> list[int]:
         return [self.server.pid]
+
+    def named_process_groups(self) -> dict[str, int]:
+        return {"colocated": self.server.pid}
 
     def instances(self) -> dict[str, str]:
         return {"colocated": self.server.base_url}
@@ -239,8 +261,11 @@ class OursSystem(BenchSystem):
                 # How long P keeps a request's KV for D (vLLM's connector: abort timeout).
                 release_timeout_s=float(kv_hold_timeout_s),
                 log_dir=str(log_dir / self.name),
-                extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
+                extra_env={"VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S), **settings.env},
                 proxy_args=proxy_args,
+                prefill_args=settings.engine_args,
+                decode_args=settings.engine_args,
+                worker_process=settings.worker_process,
             )
         )
         self.url = self.deployment.proxy_url
@@ -280,6 +305,11 @@ class OursSystem(BenchSystem):
 
     def process_groups(self) -> list[int]:
         return self.deployment.process_groups()
+
+    def named_process_groups(self) -> dict[str, int]:
+        prefill, decode, *proxies = self.deployment.process_groups()
+        names = ["proxy", *(f"proxy{i}" for i in range(2, len(proxies) + 1))]
+        return {"prefill": prefill, "decode": decode, **dict(zip(names, proxies, strict=True))}
 
     def instances(self) -> dict[str, str]:
         return {

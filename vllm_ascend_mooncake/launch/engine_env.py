@@ -8,7 +8,9 @@ of memory on a 2-core, 24 GiB CI machine).
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import shutil
+import subprocess
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from ..connector.busy_wait import BUSY_WAIT_ENV
 
@@ -78,3 +80,39 @@ def apply_engine_env(
             target.setdefault(name, value)
         in_force[name] = target[name]
     return in_force
+
+
+#: The allocator vLLM's CPU installation guide has users preload (``LD_PRELOAD``), first found
+#: first: gperftools' minimal build (Debian/Ubuntu ``libtcmalloc-minimal4``), then the full one.
+TCMALLOC_LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+
+
+def library_in_cache(ldconfig_output: str, names: Sequence[str]) -> str | None:
+    """The path of the first of ``names`` in ``ldconfig -p``'s listing (lines like
+    ``libfoo.so.4 (libc6,x86-64) => /lib/x86_64-linux-gnu/libfoo.so.4``), or None."""
+    paths: dict[str, str] = {}
+    for line in ldconfig_output.splitlines():
+        name, arrow, path = line.strip().partition(" => ")
+        if arrow:
+            paths.setdefault(name.split(" ", 1)[0], path.strip())
+    return next((paths[name] for name in names if name in paths), None)
+
+
+def find_tcmalloc() -> str | None:
+    """The tcmalloc library the dynamic linker knows (``ldconfig -p``), or None."""
+    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
+    try:
+        listing = subprocess.run(
+            [ldconfig, "-p"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return library_in_cache(listing, TCMALLOC_LIBRARIES)
+
+
+def preload_env(library: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{"LD_PRELOAD": ...}`` that loads ``library`` first, keeping what ``environ`` (default
+    ``os.environ``) preloads already; for a server's ``extra_env``."""
+    inherited = (os.environ if environ is None else environ).get("LD_PRELOAD", "")
+    kept = [entry for entry in inherited.replace(" ", ":").split(":") if entry and entry != library]
+    return {"LD_PRELOAD": ":".join([library, *kept])}
