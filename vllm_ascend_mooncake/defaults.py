@@ -8,6 +8,10 @@ agree without importing upward.
 This module imports nothing.
 """
 
+#: The name vLLM knows the connector by (``kv_connector``); here, not in ``connector.keys``, so
+#: that the ``vam-vllm`` wrapper can look for it before vLLM (and torch) load.
+CONNECTOR_NAME = "MooncakeHeteroConnector"
+
 #: What moves the bytes (``transport``): ``datapath.transport.TRANSPORTS`` lists the choices.
 DEFAULT_TRANSPORT = "mooncake"
 #: Mooncake transports accepted as ``protocol``.

@@ -15,6 +15,7 @@ from typing import Any
 from ..datapath.pairing import parse_endpoints
 from ..datapath.transport import TRANSPORTS
 from ..defaults import (
+    CONNECTOR_NAME,
     DEFAULT_CLAIM_PARK_S,
     DEFAULT_CLAIM_WAIT_S,
     DEFAULT_COALESCE_RUNS,
@@ -40,7 +41,6 @@ from ..defaults import (
     default_read_wait,
 )
 
-CONNECTOR_NAME = "MooncakeHeteroConnector"
 #: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
 #: unset, so only another value is read (as ``side_channel_port``, see
 #: :func:`.migration.explicit_kv_port`).

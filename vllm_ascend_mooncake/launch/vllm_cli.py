@@ -14,6 +14,12 @@ before the patch) then agrees, and a finder can answer for one name only, so eve
 and the list of all distributions, stays untouched. Where a real ``vllm`` distribution exists
 (CUDA, Ascend) nothing is installed.
 
+On that CPU build, an instance serving this connector (``--kv-transfer-config`` names it) also
+gets the settings that keep P/D instances sharing a host's cores from starving each other
+(:func:`cpu_pd_defaults`), each only where the environment does not set it, and says so in its
+log. They make a shared host faster, not correct (tests/e2e/test_shared_cores.py runs without
+them); measured no slower on a host of its own.
+
 Usage: ``python -m vllm_ascend_mooncake.launch.vllm_cli serve MODEL [vLLM options]``.
 """
 
@@ -23,9 +29,11 @@ import importlib.metadata
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from ..defaults import CONNECTOR_NAME
 
 #: The distribution name vLLM looks itself up by.
 VLLM_DISTRIBUTION = "vllm"
@@ -113,11 +121,47 @@ def install_vllm_distribution_alias() -> bool:
     return True
 
 
+#: What a CPU P/D instance gets unless its environment says otherwise, and why
+#: (docs/deploy-single-host.md measures each).
+CPU_PD_DEFAULTS = {
+    # vLLM's engine core and workers busy-wait 1 s for each other after every step
+    "VAM_SHM_BUSY_WAIT_S": "0.005",
+    # torch's OpenMP threads spin after every parallel region; read when torch loads
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def serves_this_connector(argv: Iterable[str]) -> bool:
+    """Whether ``vllm serve``'s arguments configure this project's connector."""
+    return any(CONNECTOR_NAME in argument for argument in argv)
+
+
+def cpu_pd_defaults(argv: Iterable[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`CPU_PD_DEFAULTS` to put in the environment of a CPU instance started with
+    ``argv``: none unless it serves this connector, and none the environment sets already
+    (``VAM_SHM_BUSY_WAIT_S=1`` keeps vLLM's busy-wait, ``OMP_WAIT_POLICY=ACTIVE`` the spin)."""
+    if not serves_this_connector(argv):
+        return {}
+    return {name: value for name, value in CPU_PD_DEFAULTS.items() if name not in environ}
+
+
 def main() -> None:
-    """Entry point: install the alias, then run vLLM's CLI on ``sys.argv``."""
-    install_vllm_distribution_alias()
+    """Entry point: install the alias, apply the CPU P/D defaults (before torch loads, whose
+    OpenMP runtime reads its variables then), then run vLLM's CLI on ``sys.argv``."""
+    applied: dict[str, str] = {}
+    if install_vllm_distribution_alias():
+        applied = cpu_pd_defaults(sys.argv[1:], os.environ)
+        os.environ.update(applied)
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    if applied:
+        from ..log import get_logger
+
+        get_logger(__name__).info(
+            "CPU P/D instance: %s (instances sharing cores would otherwise spin on each "
+            "other's; docs/deploy-single-host.md). Set them in the environment to override",
+            ", ".join(f"{name}={value}" for name, value in applied.items()),
+        )
     vllm_main()
 
 
