@@ -69,7 +69,6 @@ class Pair:
         worker.sender = worker.receiver = worker._decode = None
         worker._unregistered = None
         worker.stats, worker._load_errors = TransferStats(), set()
-        worker._prefill_engine_of = {}
         return worker
 
     @property

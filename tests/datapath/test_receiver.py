@@ -956,6 +956,7 @@ def test_head_major_blocks_of_different_sizes_are_refused_before_any_byte_moves(
     decode.wait(["r1"])
     assert "with head-major blocks whose packing is unknown" in str(decode.failed["r1"])
     assert decode.failed["r1"].kind is FailureKind.INCOMPATIBLE_PEER
+    assert decode.failed["r1"].prefill_engine_id == "prefill"  # what the scheduler is told
     assert np.array_equal(decode.cache.bytes, decode.snapshot)
     assert all(c.freed(p, "r1") for p in c.prefill)
     assert sorted(n for p in c.prefill for n in p.notices) == [("t-r1", 0, False)] * prefill_tp

@@ -149,8 +149,6 @@ class ConnectorWorker:
         self.receiver: Receiver | None = None
         self._decode: DecodeSide | None = None
         self._load_errors: set[int] = set()
-        #: the prefill engine of each pull vLLM waits for (what an incompatible one is told by)
-        self._prefill_engine_of: dict[str, str] = {}
         #: the memory unregistered for sleep, None while awake
         self._unregistered: list[MemoryRange] | None = None
         self.stats = TransferStats()
@@ -359,8 +357,6 @@ class ConnectorWorker:
                 )
         if self.receiver is not None:
             for pull in orders.pulls:
-                if pull.local_block_ids:  # reported once, when it ends (release-only: never)
-                    self._prefill_engine_of[pull.request_id] = pull.remote_engine_id
                 self.receiver.submit(pull)
             for request_id in orders.cancels:
                 self.receiver.cancel(request_id)
@@ -389,10 +385,9 @@ class ConnectorWorker:
         if self.receiver is not None:
             done, failed = self.receiver.take_finished()
             recving = done | set(failed)
-            engines = {r: self._prefill_engine_of.pop(r, "") for r in recving}
             for request_id, failure in failed.items():
-                if failure.kind is FailureKind.INCOMPATIBLE_PEER and engines[request_id]:
-                    self.stats.record_unpairable(engines[request_id], failure.reason)
+                if failure.kind is FailureKind.INCOMPATIBLE_PEER and failure.prefill_engine_id:
+                    self.stats.record_unpairable(failure.prefill_engine_id, failure.reason)
                 if failure.cancelled:  # vLLM frees the blocks of a finished request unused
                     logger.info("KV load of request %s cancelled: %s", request_id, failure.reason)
                     continue

@@ -126,6 +126,8 @@ class PullFailure:
     local_block_ids: tuple[int, ...]
     reason: str
     kind: FailureKind = FailureKind.INTERNAL
+    #: the prefill engine the pull read from ("" when the order named none)
+    prefill_engine_id: str = ""
 
     @property
     def cancelled(self) -> bool:
@@ -749,7 +751,10 @@ class Receiver:
                 self._done.add(pull.request_id)
             else:
                 self._failed[pull.request_id] = PullFailure(
-                    tuple(pull.local_block_ids), str(failure), failure.kind
+                    tuple(pull.local_block_ids),
+                    str(failure),
+                    failure.kind,
+                    pull.remote_engine_id or "",
                 )
             self._in_flight.discard(pull.request_id)
             self._cancelled.discard(pull.request_id)
