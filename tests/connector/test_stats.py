@@ -7,8 +7,13 @@ import pickle
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from vllm_ascend_mooncake.connector.stats import TransferPromMetrics, TransferStats
+from vllm_ascend_mooncake.connector.stats import (
+    MAX_UNPAIRABLE_ENGINE_LABELS,
+    TransferPromMetrics,
+    TransferStats,
+)
 from vllm_ascend_mooncake.datapath.failures import FailureKind
+from vllm_ascend_mooncake.datapath.pairing import PairingOutcome, PairingVerdict
 from vllm_ascend_mooncake.timeline import PHASES, PullTimeline
 
 
@@ -77,6 +82,57 @@ def test_prometheus_metrics_follow_observations() -> None:
     assert (
         registry.get_sample_value("vllm:mooncake_hetero_pull_seconds_count", {"engine": "0"}) == 1
     )
+
+
+def test_unpairable_prefill_engines_are_counted_once_each_under_a_bounded_label() -> None:
+    registry = prometheus_client.CollectorRegistry()
+
+    def bind(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Bound
+
+    types = {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)}
+
+    class Config:
+        kv_transfer_config = None
+
+    metrics = TransferPromMetrics(Config(), types, ["engine"], {0: ["0"], 1: ["1"]})
+    name = "vllm:mooncake_hetero_unpairable_prefill_engines_total"
+    stats = TransferStats()
+    stats.record_unpairable("prefill-a", "kv cache dtype bfloat16 differs from float16")
+    stats.record_unpairable("prefill-a", "again, from another pull")
+    stats.record_pairing(PairingVerdict("prefill-b", PairingOutcome.REFUSED, "other geometry"))
+    stats.record_pairing(PairingVerdict("prefill-c", PairingOutcome.PAIRED))
+    stats.record_pairing(PairingVerdict("prefill-d", PairingOutcome.UNREACHABLE, "down"))
+    metrics.observe(pickle.loads(pickle.dumps(stats.take())).data, engine_idx=0)
+    metrics.observe({"unpairable_engines": [["prefill-a", "a later report"]]}, engine_idx=0)
+    metrics.observe({"unpairable_engines": [["prefill-a", "another engine's"]]}, engine_idx=1)
+
+    def value(engine: str, prefill_engine: str) -> float | None:
+        return registry.get_sample_value(name, {"engine": engine, "prefill_engine": prefill_engine})
+
+    assert value("0", "prefill-a") == 1 and value("1", "prefill-a") == 1
+    assert value("0", "prefill-b") == 1
+    assert value("0", "prefill-c") is None and value("0", "prefill-d") is None
+    # the reason is no label: the decode's log has it
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("vllm:mooncake_hetero_unpairable"):
+                assert set(sample.labels) == {"engine", "prefill_engine"}
+    # engine ids change with each prefill restart: past the bound they share "other"
+    many = [[f"restart-{index}", "why"] for index in range(MAX_UNPAIRABLE_ENGINE_LABELS + 5)]
+    metrics.observe({"unpairable_engines": many}, engine_idx=0)
+    labelled = {
+        sample.labels["prefill_engine"]
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.name == name
+    }
+    assert len(labelled) == MAX_UNPAIRABLE_ENGINE_LABELS + 1  # "other" included
+    assert value("0", "other") == 7  # prefill-a and prefill-b took 2 of the labels
 
 
 def test_timeline_phases_follow_the_stamps_reached() -> None:

@@ -156,6 +156,28 @@ class FakeVllm:
         #: Continuations this instance was asked for that did not continue prefill's hold.
         self.bad_continuations: list[str] = []
         self.engine = TinyEngine()
+        #: The engine id this fake answers as the connector's prefill (a restart changes it).
+        self.engine_id = f"engine-{self.name}"
+        #: As the connector's decode: the prefill engine ids its ``/metrics`` reports unpairable
+        #: (``vllm:mooncake_hetero_unpairable_prefill_engines``); None: no ``/metrics`` (404).
+        self.unpairable_engines: list[str] | None = []
+        #: ``/metrics`` requests received
+        self.metrics_scrapes = 0
+
+    def metrics_page(self) -> str:
+        """A decode's Prometheus page as vLLM exports it, with the connector's counter."""
+        name = "vllm:mooncake_hetero_unpairable_prefill_engines"
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+            f"# HELP {name} Decode: prefill engines found unable to pair.",
+            f"# TYPE {name} counter",
+        ]
+        for engine in self.unpairable_engines or []:
+            labels = f'engine="0",model_name="tiny",prefill_engine="{engine}"'
+            lines += [f"{name}_total{{{labels}}} 1.0", f"{name}_created{{{labels}}} 1.7e9"]
+        return "\n".join(lines) + "\n"
 
     def generation_requests(self) -> list[ReceivedRequest]:
         return [request for request in self.received if request.path in GENERATION_PATHS]
@@ -186,7 +208,7 @@ class FakeVllm:
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": f"engine-{self.name}",
+            "remote_engine_id": self.engine_id,
             "remote_request_id": asked.get("transfer_id", f"{self.name}-request"),
             "remote_host": "127.0.0.1",
             "remote_port": self.side_channel_port,
@@ -433,6 +455,13 @@ class FakeVllm:
             self.received.append(ReceivedRequest("/v1/models", {}, dict(request.headers)))
             card = {"id": "tiny", "owned_by": self.name, "max_model_len": self.max_model_len}
             return JSONResponse({"object": "list", "data": [card]})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            self.metrics_scrapes += 1
+            if self.unpairable_engines is None:
+                return Response(status_code=404)
+            return Response(self.metrics_page(), media_type="text/plain; version=0.0.4")
 
         @app.get("/health")
         async def health() -> Response:

@@ -227,6 +227,8 @@ def test_report_says_how_routing_sees_an_instance() -> None:
         "consecutive_failures": 1,
         "ejected_for_s": 0.75,
         "last_failure": "ConnectError: refused",
+        "unpairable": None,
+        "unpairable_retry_in_s": None,
     }
     assert balancer.report(b)["in_flight"] == 1
     assert balancer.report(b)["ejected_for_s"] is None

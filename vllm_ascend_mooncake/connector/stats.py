@@ -46,6 +46,16 @@ _AVERAGED = (
     ("hold delay", "hold_delay_seconds"),
     *((phase.replace("_", " "), f"phase_{phase}_seconds") for phase in PHASES),
 )
+#: Prefill engines that get a label value of their own on
+#: ``vllm:mooncake_hetero_unpairable_prefill_engines``; later ones share ``other``. Engine ids
+#: change with every prefill restart, so the label must be bounded; 64 covers any fleet's
+#: mismatched prefills across many restarts.
+MAX_UNPAIRABLE_ENGINE_LABELS = 64
+#: The label value of engines past :data:`MAX_UNPAIRABLE_ENGINE_LABELS` (the proxy ignores it).
+OTHER_ENGINES = "other"
+#: Engines remembered as counted already (so each counts once); past it, a report may count an
+#: engine again, under ``other``.
+_MAX_UNPAIRABLE_ENGINES_SEEN = 4096
 _PHASE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]
 
 
@@ -244,6 +254,21 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             buckets=_PHASE_BUCKETS,
             labelnames=[*labelnames, "phase"],
         )
+        self._unpairable_metric = self._counter_cls(
+            name="vllm:mooncake_hetero_unpairable_prefill_engines",
+            documentation=(
+                "Decode: prefill engines found unable to pair with this decode instance (its "
+                "requests are computed here), once each, by engine id (label prefill_engine; "
+                f"past the first {MAX_UNPAIRABLE_ENGINE_LABELS}, 'other'). The decode's log says "
+                "why; vam-proxy stops sending prefill legs to an instance every decode reports."
+            ),
+            labelnames=[*labelnames, "prefill_engine"],
+        )
+        self._labelvalues = per_engine_labelvalues
+        #: engine ids counted, per vLLM engine index of this instance
+        self._unpairable_seen: dict[int, set[str]] = {}
+        #: engine ids with a label value of their own (bounded)
+        self._unpairable_labelled: set[str] = set()
         self._phases = {
             phase: {
                 idx: phase_metric.labels(*values, phase)
@@ -272,3 +297,27 @@ class TransferPromMetrics(KVConnectorPromMetrics):
         for phase, per_engine in self._phases.items():
             for seconds in data.get(f"phase_{phase}_seconds", []):
                 per_engine[engine_idx].observe(seconds)
+        refused = [entry[0] for entry in data.get("unpairable_engines", [])]
+        refused += [
+            entry[0]
+            for entry in data.get("pairings", [])
+            if entry[1] == PairingOutcome.REFUSED.value
+        ]
+        for prefill_engine in refused:
+            self._count_unpairable(str(prefill_engine), engine_idx)
+
+    def _count_unpairable(self, prefill_engine: str, engine_idx: int) -> None:
+        """Count ``prefill_engine`` once as unpairable with this instance's ``engine_idx``."""
+        seen = self._unpairable_seen.setdefault(engine_idx, set())
+        if prefill_engine in seen:
+            return
+        if len(seen) < _MAX_UNPAIRABLE_ENGINES_SEEN:
+            seen.add(prefill_engine)
+        label = prefill_engine
+        if label not in self._unpairable_labelled:
+            if len(self._unpairable_labelled) < MAX_UNPAIRABLE_ENGINE_LABELS:
+                self._unpairable_labelled.add(label)
+            else:
+                label = OTHER_ENGINES
+        values = self._labelvalues.get(engine_idx, self._labelvalues.get(0, []))
+        self._unpairable_metric.labels(*values, label).inc()

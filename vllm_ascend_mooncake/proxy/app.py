@@ -11,7 +11,8 @@ are errors reach the client unchanged, so it sees what vLLM said, not the proxy'
 Instances that do not accept connections, or fail their background health check, are ejected
 (:mod:`.balancer`, :mod:`.health`): requests go to the others until the instance is back. The
 connection layer (failover, relaying streams) is :mod:`.upstreams`; which data-parallel engine
-of a prefill instance gets a leg, :mod:`.prefill_ranks`.
+of a prefill instance gets a leg, :mod:`.prefill_ranks`; a prefill instance every decode
+instance reports it cannot read is routed around, :mod:`.pairing`.
 ``GET /health`` is the proxy's own liveness; ``GET /ready`` says whether both roles can serve.
 """
 
@@ -51,6 +52,7 @@ from .holds import HoldKeeper
 from .legs import Legs
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .model_limits import ModelLimits
+from .pairing import PairingWatch
 from .token_texts import TokenTexts
 from .trace import RequestTrace
 from .upstreams import (
@@ -187,6 +189,8 @@ class DisaggregatingProxy:
         first_token: str = FROM_DECODE,
     ) -> Response:
         try:
+            if self.prefill.only_unpairable_left():
+                return await self.legs.decode_alone(request)
             if first_token == FROM_PREFILL:
                 reason = continuation.blocker(request.path, request.body)
                 if reason is None:
@@ -244,6 +248,7 @@ def create_app(
     ejection: EjectionPolicy | None = None,
     renew_holds: bool = True,
     first_token: str = FROM_PREFILL,
+    unpairable_retry: EjectionPolicy | None = None,
 ) -> FastAPI:
     """Build the proxy app for the given prefill and decode instances (base URLs).
 
@@ -252,6 +257,8 @@ def create_app(
     ``renew_holds``: keep prefill's hold on each transfer until decode read it (:mod:`.holds`).
     ``first_token``: ``"prefill"`` (continue from prefill's token where a request allows it,
     :mod:`.continuation`) or ``"decode"`` (decode samples every answer's first token again).
+    ``unpairable_retry``: when a prefill instance no decode can read is tried again
+    (:mod:`.pairing`, which needs the health checks).
     """
     if first_token not in FIRST_TOKEN_SOURCES:
         raise ValueError(f"first_token must be one of {FIRST_TOKEN_SOURCES}, got {first_token!r}")
@@ -270,7 +277,13 @@ def create_app(
         raise ValueError(f"health_timeout_s must be positive, got {health_timeout_s}")
     policy = ejection or EjectionPolicy()
     health_checks = health_interval_s > 0
-    prefill = Balancer("prefill", prefill_urls, policy, request_trials=not health_checks)
+    prefill = Balancer(
+        "prefill",
+        prefill_urls,
+        policy,
+        request_trials=not health_checks,
+        unpairable_retry=unpairable_retry,
+    )
     decode = Balancer("decode", decode_urls, policy, request_trials=not health_checks)
 
     @asynccontextmanager
@@ -291,6 +304,9 @@ def create_app(
             if health_checks:
                 proxy.health_checker = HealthChecker(
                     client, (prefill, decode), proxy.outcomes, health_interval_s, health_timeout_s
+                )
+                proxy.health_checker.pairing = PairingWatch(
+                    client, prefill, decode, proxy.legs.prefill_ranks, health_timeout_s
                 )
             app.state.proxy = proxy
             logger.info(

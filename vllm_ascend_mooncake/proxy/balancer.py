@@ -14,6 +14,12 @@ the circuit and resets the back-off. Ejected instances are never dropped: when e
 a role is ejected they are still tried, soonest back-off end first, so a fleet that comes back
 is used at once.
 
+Separately, a prefill instance can be marked *unpairable* (:mod:`.pairing`: every decode instance
+reports that it cannot read that prefill's KV). Its circuit is unaffected, but it is ranked after
+every other instance (ejected ones included) until its retry time, when one request may try it
+(its answer teaches the proxy its engine id, which changes when it restarts); each retry in a
+row doubles the wait. Only the pairing watch clears the mark.
+
 Pure bookkeeping, no I/O: time comes from an injectable clock, so the state machine can be tested
 deterministically. The proxy runs on one asyncio event loop, so no locking is needed.
 """
@@ -36,6 +42,11 @@ DEFAULT_MAX_BACKOFF_S = 30.0
 #: connect timeout. A false ejection costs little: the first back-off is 1 s, the instance is
 #: still tried when no other is left, and one success readmits it.
 DEFAULT_FAILURE_THRESHOLD = 1
+#: An unpairable prefill instance gets one request after this long, doubling up to the cap:
+#: each such trial costs one wasted prefill if it is still unpairable, and finding a restarted,
+#: fixed instance within minutes is soon enough.
+DEFAULT_UNPAIRABLE_RETRY_S = 30.0
+DEFAULT_MAX_UNPAIRABLE_RETRY_S = 300.0
 
 
 class CircuitState(str, enum.Enum):
@@ -88,6 +99,12 @@ class Upstream:
     last_failure: str | None = None
     #: a half-open instance's single trial request has been sent and not settled yet
     trial_in_flight: bool = False
+    #: why no decode instance can read this (prefill) instance's KV; None: not known to be so
+    unpairable: str | None = None
+    #: clock time the next request may try an unpairable instance
+    unpairable_retry_at: float | None = None
+    #: trials of an unpairable instance so far (the wait doubles with each)
+    unpairable_trials: int = 0
 
 
 class Balancer:
@@ -101,10 +118,12 @@ class Balancer:
         *,
         request_trials: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        unpairable_retry: EjectionPolicy | None = None,
     ) -> None:
         """``request_trials``: whether a half-open instance is tried by one request (turn it off
         when health probes decide instead, so no client waits on an instance that may be dead).
-        ``clock``: monotonic seconds; tests pass a fake one."""
+        ``clock``: monotonic seconds; tests pass a fake one. ``unpairable_retry``: when an
+        unpairable instance is tried again (its back-off schedule)."""
         if not urls:
             raise ValueError(f"at least one {role} instance URL is required")
         normalized = [url.rstrip("/") for url in urls]
@@ -114,6 +133,9 @@ class Balancer:
         self.role = role
         self.policy = policy or EjectionPolicy()
         self.request_trials = request_trials
+        self.unpairable_retry = unpairable_retry or EjectionPolicy(
+            base_backoff_s=DEFAULT_UNPAIRABLE_RETRY_S, max_backoff_s=DEFAULT_MAX_UNPAIRABLE_RETRY_S
+        )
         self.upstreams = [Upstream(url) for url in normalized]
         self._clock = clock
         self._next_index = 0
@@ -132,12 +154,52 @@ class Balancer:
     def healthy_count(self) -> int:
         return sum(self.is_healthy(upstream) for upstream in self.upstreams)
 
+    def _held_unpairable(self, upstream: Upstream) -> bool:
+        """Marked unpairable, and its next trial is not due yet."""
+        return upstream.unpairable is not None and (upstream.unpairable_retry_at or 0.0) > (
+            self._clock()
+        )
+
     def _routable(self, upstream: Upstream) -> bool:
-        """Healthy, or half-open with its one trial request still to be sent."""
+        """Healthy, or half-open with its one trial request still to be sent; and not held back
+        as unpairable."""
+        if self._held_unpairable(upstream):
+            return False
         state = self.state(upstream)
         return state is CircuitState.HEALTHY or (
             state is CircuitState.HALF_OPEN and self.request_trials and not upstream.trial_in_flight
         )
+
+    def only_unpairable_left(self) -> bool:
+        """No instance is routable, and at least one is held back as unpairable: the others
+        are ejected (down) or half-open (waiting for their probe)."""
+        held = False
+        for upstream in self.upstreams:
+            if self._routable(upstream):
+                return False
+            held = held or self._held_unpairable(upstream)
+        return held
+
+    def mark_unpairable(self, upstream: Upstream, reason: str) -> float | None:
+        """No decode instance can read ``upstream``'s KV: hold it back. Return the seconds until
+        a request may try it again when this marks it, None when it was marked already (the
+        reason is updated, the retry time kept)."""
+        upstream.unpairable = reason
+        if upstream.unpairable_retry_at is not None:
+            return None
+        upstream.unpairable_trials = 0
+        retry_s = self.unpairable_retry.backoff_s(1)
+        upstream.unpairable_retry_at = self._clock() + retry_s
+        return retry_s
+
+    def clear_unpairable(self, upstream: Upstream) -> bool:
+        """A decode instance can read it again (or may): route it. Return whether it was
+        marked."""
+        was_marked = upstream.unpairable is not None
+        upstream.unpairable = None
+        upstream.unpairable_retry_at = None
+        upstream.unpairable_trials = 0
+        return was_marked
 
     def ranked(self) -> list[Upstream]:
         """Return every instance, best first: routable ones by fewest in-flight, then the
@@ -153,7 +215,11 @@ class Balancer:
             upstream = self.upstreams[index]
             turn = (index - self._next_index) % count
             if self._routable(upstream):
-                return (0, 0.0, upstream.in_flight, turn)
+                # an unpairable instance whose trial is due goes first, so the trial happens
+                trial = -1 if upstream.unpairable is not None else 0
+                return (0, 0.0, trial if trial else upstream.in_flight, turn)
+            if self._held_unpairable(upstream):  # last resort: decode recomputes its prompts
+                return (2, upstream.unpairable_retry_at or 0.0, upstream.in_flight, turn)
             return (1, upstream.ejected_until or 0.0, upstream.in_flight, turn)
 
         return [self.upstreams[index] for index in sorted(range(count), key=rank)]
@@ -163,6 +229,11 @@ class Balancer:
         half-open instance the request is its trial."""
         if self.request_trials and self.state(upstream) is CircuitState.HALF_OPEN:
             upstream.trial_in_flight = True
+        if upstream.unpairable is not None and not self._held_unpairable(upstream):
+            # the trial: until its answer (its engine id) clears the mark, wait longer
+            upstream.unpairable_trials += 1
+            retry_s = self.unpairable_retry.backoff_s(upstream.unpairable_trials + 1)
+            upstream.unpairable_retry_at = self._clock() + retry_s
         upstream.in_flight += 1
         self._next_index = (self.upstreams.index(upstream) + 1) % len(self.upstreams)
 
@@ -208,12 +279,20 @@ class Balancer:
         remaining_s = None
         if upstream.ejected_until is not None:
             remaining_s = max(0.0, upstream.ejected_until - self._clock())
+        state = self.state(upstream).value
+        retry_s = None
+        if upstream.unpairable is not None:
+            retry_s = max(0.0, (upstream.unpairable_retry_at or 0.0) - self._clock())
+            if state == CircuitState.HEALTHY.value:  # a dead instance's ejection says more
+                state = "unpairable"
         return {
             "url": upstream.url,
-            "state": self.state(upstream).value,
+            "state": state,
             "healthy": self.is_healthy(upstream),
             "in_flight": upstream.in_flight,
             "consecutive_failures": upstream.consecutive_failures,
             "ejected_for_s": remaining_s,
             "last_failure": upstream.last_failure,
+            "unpairable": upstream.unpairable,
+            "unpairable_retry_in_s": retry_s,
         }

@@ -26,6 +26,7 @@ import httpx
 from .balancer import Balancer, CircuitState, Upstream
 from .errors import describe_error
 from .metrics import ProxyMetrics
+from .pairing import PairingWatch
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class HealthChecker:
         self.timeout_s = timeout_s
         self._first_round_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: set by the app: after each round's probes, reads which prefill engines the decode
+        #: instances cannot read (:mod:`.pairing`)
+        self.pairing: PairingWatch | None = None
 
     def start(self) -> None:
         """Start probing: the first round at once, then one every ``interval_s``."""
@@ -132,7 +136,8 @@ class HealthChecker:
             await asyncio.wait_for(self._first_round_done.wait(), timeout=self.timeout_s + 1.0)
 
     async def check_all(self) -> None:
-        """Probe every instance once, all at the same time."""
+        """Probe every instance once, all at the same time; then (the probes having said which
+        decode instances are healthy) read what those report of prefill engines."""
         await asyncio.gather(
             *(
                 self.probe(balancer, upstream)
@@ -140,6 +145,8 @@ class HealthChecker:
                 for upstream in balancer.upstreams
             )
         )
+        if self.pairing is not None:
+            await self.pairing.check()
 
     async def probe(self, balancer: Balancer, upstream: Upstream) -> None:
         """Ask one instance's ``/health``: healthy only if it answers 200 within the timeout.
@@ -182,7 +189,11 @@ class HealthChecker:
 
 def readiness(prefill: Balancer, decode: Balancer) -> tuple[bool, dict[str, Any]]:
     """Whether both roles have a healthy instance, and every instance as routing sees it (its
-    ejection's end as UTC wall-clock time, ISO 8601), for ``GET /ready``."""
+    ejection's end as UTC wall-clock time, ISO 8601), for ``GET /ready``.
+
+    A prefill instance marked unpairable (state ``unpairable``, the reason in ``unpairable``)
+    still counts as healthy here: the proxy keeps serving, through the other prefill instances
+    or decode alone (:mod:`.pairing`)."""
 
     def entry(balancer: Balancer, upstream: Upstream) -> dict[str, Any]:
         report = balancer.report(upstream)

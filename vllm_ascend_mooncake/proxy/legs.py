@@ -181,6 +181,24 @@ class Legs:
             cut_short=lambda: self.abandon_hold(keeping),
         )
 
+    async def decode_alone(self, request: ClientRequest) -> Response:
+        """The client's request on decode only, which computes the prompt: what the proxy does
+        while every prefill instance left is one no decode can read (:mod:`.pairing`), where a
+        prefill leg would add its latency and waste its compute for the same answer."""
+        request.trace.mode = "decode_alone"
+        request.trace.mark("decode_sent")
+        logger.debug(
+            "request %s: no prefill instance a decode can read; decode computes the prompt",
+            request.request_id,
+        )
+        decode_upstream, decode_response = await self.upstreams.open(
+            self.decode, "POST", request.path, request.headers, decode_body(request.body, None)
+        )
+        request.trace.mark("decode_answered")
+        return await self.upstreams.relay(
+            self.decode, decode_upstream, decode_response, request.request_id, request.trace
+        )
+
     async def overlapped(
         self,
         prefill_upstream: Upstream,

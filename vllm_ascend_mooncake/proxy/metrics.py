@@ -62,7 +62,8 @@ class ProxyMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "vam_proxy_requests",
-            "generation requests answered through both legs, by how the legs ran",
+            "generation requests answered, by how the legs ran (decode_alone: no prefill leg, "
+            "every prefill instance left being one no decode can read)",
             ["legs"],
             registry=self.registry,
         )

@@ -19,6 +19,7 @@ No I/O here; the proxy's request path calls it from one event loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,13 @@ class PrefillRanks:
 
     def __init__(self) -> None:
         self._instances: dict[str, _Instance] = {}
+        #: called with an instance's URL when the engine ids known for it change (learned or
+        #: forgotten); the pairing watch re-judges the instance then
+        self.on_engines_changed: Callable[[str], None] | None = None
+
+    def _engines_changed(self, url: str, before: frozenset[str]) -> None:
+        if self.on_engines_changed is not None and self.engine_ids(url) != before:
+            self.on_engines_changed(url)
 
     def learn(self, url: str, kv_transfer_params: dict[str, Any] | None) -> None:
         """Remember where the engine that produced these params serves its KV.
@@ -85,6 +93,13 @@ class PrefillRanks:
         An answer without an address makes the proxy forget the whole instance (it went serial
         or was replaced by something that does not hand off): the next requests go serial.
         """
+        before = self.engine_ids(url)
+        try:
+            self._learn(url, kv_transfer_params)
+        finally:
+            self._engines_changed(url, before)
+
+    def _learn(self, url: str, kv_transfer_params: dict[str, Any] | None) -> None:
         address = prefill_address(kv_transfer_params)
         if address is None:
             self._instances.pop(url, None)
@@ -104,7 +119,9 @@ class PrefillRanks:
 
     def forget(self, url: str) -> None:
         """The instance stopped answering: its addresses may be stale once it is back."""
+        before = self.engine_ids(url)
         self._instances.pop(url, None)
+        self._engines_changed(url, before)
 
     def choose(self, url: str) -> RankChoice:
         """The engine the next prefill leg to ``url`` should go to (nothing is counted yet).
@@ -144,6 +161,14 @@ class PrefillRanks:
         said (False when none did)."""
         instance = self._instances.get(url)
         return instance is not None and instance.chat_prompt_ids
+
+    def engine_ids(self, url: str) -> frozenset[str]:
+        """The engine ids (``remote_engine_id``) ``url``'s answers reported last, one per known
+        engine; empty when none is known."""
+        instance = self._instances.get(url)
+        if instance is None:
+            return frozenset()
+        return frozenset(address["remote_engine_id"] for address in instance.addresses.values())
 
     def engines(self, url: str) -> dict[int, dict[str, Any]]:
         """The addresses known for ``url``'s engines, by rank (a copy, for reports and tests)."""
