@@ -23,6 +23,7 @@ from pd_checks import (
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import ServerError
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
+from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -97,3 +98,25 @@ def test_an_incompatible_prefill_not_paired_at_start_costs_no_request(tmp_path) 
         log = (tmp_path / "decode.log").read_text(errors="replace")
         assert log.count("cannot pair with this decode instance:") == 1
         assert "dtype 'torch.bfloat16' on prefill vs 'torch.float32' on decode" in log
+
+        # vam-proxy learns the prefill's engine id from an answer, reads decode's report of it
+        # (/metrics) after a health round, and routes around that prefill: with no other
+        # prefill left, requests go to decode alone (no wasted prefill), answers unchanged
+        through_proxy = complete(pd.proxy_url, name, prompts[0])
+        assert_same(through_proxy, expected[prompts[0]], "through vam-proxy")
+
+        def prefill_entry() -> dict:
+            return httpx.get(f"{pd.proxy_url}/ready", timeout=30).json()["prefill"][0]
+
+        wait_until(
+            lambda: prefill_entry()["state"] == "unpairable",
+            "vam-proxy marks the prefill unpairable",
+            timeout_s=60,
+        )
+        assert "no decode instance can read its KV" in prefill_entry()["unpairable"]
+        prefilled = metric(pd.prefill.base_url, "vllm:request_success_total")
+        alone = complete(pd.proxy_url, name, prompts[1])
+        assert_same(alone, expected[prompts[1]], "decode alone through vam-proxy")
+        assert metric(pd.prefill.base_url, "vllm:request_success_total") == prefilled
+        assert metric(pd.proxy_url, "vam_proxy_requests_total", {"legs": "decode_alone"}) >= 1
+        assert pd.failed_pulls_by_kind() == {}

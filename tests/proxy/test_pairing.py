@@ -133,6 +133,7 @@ def test_with_no_prefill_a_decode_can_read_requests_go_to_decode_alone(first_tok
         (sent,) = decode.generation_requests()
         assert "kv_transfer_params" not in sent.body
         assert sent.body["prompt"] == BODY["prompt"]
+        assert 'vam_proxy_requests_total{legs="decode_alone"} 1.0' in client.get("/metrics").text
 
 
 def test_a_prefill_only_some_decodes_cannot_read_stays_routed() -> None:

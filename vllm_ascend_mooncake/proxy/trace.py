@@ -34,7 +34,7 @@ class RequestTrace:
 
     def emit(self) -> None:
         self.mark("done")
-        if self.transfer_id is not None:
+        if self.transfer_id is not None:  # the timeline is keyed by it
             timeline_log.emit("proxy", self.transfer_id, self.stamps, mode=self.mode)
-            if self.metrics is not None:
-                self.metrics.observe(self.mode, self.stamps)
+        if self.metrics is not None:  # every answer counts, one without a transfer too
+            self.metrics.observe(self.mode, self.stamps)
