@@ -33,9 +33,11 @@ DEFAULT_PREFILL_WAIT_S = 120.0
 #: prefill's side channel listens once its KV cache is allocated).
 DEFAULT_PAIR_WAIT_S = 120.0
 #: How long decode's scheduler holds a prefill engine's first request for the pairing probe
-#: (``pair_before_pull``) before leaving the handshake to its pull: a side channel's metadata
-#: request retried within its timeouts fits, a host that swallows packets does not.
-PAIRING_WAIT_S = 30.0
+#: (``pair_before_pull``) before leaving the handshake to its pull. A prefill that answers does
+#: so in milliseconds; one that does not (down, frozen) is left to the pull's own timeouts, as
+#: before there was a probe: a request held longer could outlive prefill's hold on its KV
+#: (``release_timeout_s``) while nobody renews it.
+PAIRING_WAIT_S = 5.0
 DEFAULT_READ_RETRIES = 1
 DEFAULT_MAX_DESCRIPTORS_PER_BATCH = 1024
 #: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.

@@ -5,6 +5,7 @@ one is waited for, an absent one is left for its first request."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -178,3 +179,34 @@ def test_a_prefill_the_probe_cannot_reach_is_left_to_its_pulls(client, host) -> 
     port = free_port_range(1)  # nobody listens there
     (verdict,) = probe_verdicts(client, PairingOrder("engine-gone", host, port, 1))
     assert verdict.outcome is PairingOutcome.UNREACHABLE and verdict.reason
+
+
+def test_probes_of_prefills_that_never_answer_do_not_delay_a_live_ones(client) -> None:
+    """The CI run of stop 49 saw a healthy prefill's probe queue behind two dead peers' probes
+    (each waiting out the side channel's timeouts) on a two-thread pool: its request was held
+    until prefill had released the KV. Every probe now runs on a thread of its own."""
+    silent = []
+    for _ in range(4):  # listening, never answering: a frozen prefill's side channel
+        listener = socket.socket()
+        listener.bind((HOST, 0))
+        listener.listen(8)
+        silent.append(listener)
+    port = free_port_range(1)
+    senders = start_prefill(port)
+    probes = PairingProbes(directory(client))
+    try:
+        for listener in silent:
+            probes.submit(PairingOrder("frozen", HOST, listener.getsockname()[1], 1))
+        engine = senders[0].metadata.engine_id
+        probes.submit(PairingOrder(engine, HOST, port, 1))
+        deadline = time.monotonic() + 30
+        verdicts: list = []
+        while not verdicts and time.monotonic() < deadline:
+            probes.wait_for_verdict(1.0)
+            verdicts = probes.take_verdicts()
+        assert verdicts == [PairingVerdict(engine, PairingOutcome.PAIRED)]
+    finally:
+        probes.close()
+        close(senders)
+        for listener in silent:
+            listener.close()

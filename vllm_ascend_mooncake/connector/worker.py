@@ -225,6 +225,8 @@ class ConnectorWorker:
                     len(paired),
                     len(endpoints),
                 )
+                if self._decode.pairings is not None:  # the scheduler probes none of them
+                    self._decode.pairings.note_paired({p.metadata.engine_id for p in paired})
         regions = memory.regions
         defect = mla_plain_rope_on_cpu(vllm_config.model_config, current_platform.device_type)
         if defect and self.tp_rank == 0:

@@ -22,6 +22,7 @@ import enum
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -168,12 +169,18 @@ def probe_prefill(peers: PeerDirectory, order: PairingOrder) -> PairingVerdict:
     return PairingVerdict(order.engine_id, PairingOutcome.PAIRED)
 
 
+#: Probes that may run at once. A probe of a prefill that does not answer holds its thread
+#: for the side channel's timeouts; probes are one per new prefill engine, so this many dead
+#: ones at once are needed before a live one's probe waits behind them.
+MAX_CONCURRENT_PROBES = 32
+
+
 class PairingProbes:
     """Answers the scheduler's pairing orders (:class:`~.orders.PairingOrder`) off the step:
-    each is probed on a thread of its own pool (a peer that does not answer holds a probe
-    thread, never a step or a pull), its verdict collected for the scheduler."""
+    each on a thread of its own (a peer that does not answer holds its probe's thread, never a
+    step, a pull or another peer's probe), its verdict collected for the scheduler."""
 
-    def __init__(self, peers: PeerDirectory, num_threads: int = 2) -> None:
+    def __init__(self, peers: PeerDirectory, num_threads: int = MAX_CONCURRENT_PROBES) -> None:
         self._peers = peers
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="vam-pair")
         self._lock = threading.Lock()
@@ -209,6 +216,13 @@ class PairingProbes:
         with self._news:
             self._pending -= 1
             self._verdicts.append(verdict)
+            self._news.notify_all()
+
+    def note_paired(self, engine_ids: Iterable[str]) -> None:
+        """Engines paired already (at start-up, ``prefill_side_channels``): the scheduler needs
+        no probe of them."""
+        with self._news:
+            self._verdicts += [PairingVerdict(e, PairingOutcome.PAIRED) for e in engine_ids]
             self._news.notify_all()
 
     def take_verdicts(self) -> list[PairingVerdict]:
