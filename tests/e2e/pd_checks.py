@@ -203,6 +203,30 @@ def settled_totals(pd: LocalDeployment) -> dict[str, int]:
     return pd.transfer_totals()
 
 
+#: what a failed-pull assertion quotes from decode's log: the lines that say why
+_FAILURE_LINE_MARKS = ("cannot pull", "KV load failed", "refused", "could not tell", "expired")
+
+
+def transfer_evidence(pd: LocalDeployment, lines: int = 12) -> str:
+    """Why pulls failed, for an assertion message: decode's failed pulls by kind and the last
+    lines of decode's and prefill's logs that tell of failures (a clean-clone CI run keeps only
+    its output, not the logs it names)."""
+    parts = [f"failed pulls by kind: {pd.failed_pulls_by_kind()}; logs in {pd.log_dir}"]
+    for server in (pd.decode, pd.prefill):
+        try:
+            text = server.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        told = [
+            line
+            for line in text.splitlines()
+            if "KV Transfer metrics" not in line and any(m in line for m in _FAILURE_LINE_MARKS)
+        ]
+        parts.append(f"{server.log_path.name}, last {lines} such lines:")
+        parts.extend(f"  {line[:400]}" for line in told[-lines:])
+    return "\n".join(parts)
+
+
 def assert_clean_transfers(
     pd: LocalDeployment,
     requests: int,
@@ -223,7 +247,7 @@ def assert_clean_transfers(
     if since is not None:
         totals = {name: count - since[name] for name, count in totals.items()}
     logs = f"see {pd.log_dir}"
-    assert totals["failed"] == 0, (totals, logs)
+    assert totals["failed"] == 0, f"{totals}\n{transfer_evidence(pd)}"
     assert totals["expired"] == 0, (totals, logs)
     pulled = range(requests * pd.spec.decode_tp, (requests + left) * pd.spec.decode_tp + 1)
     assert totals["successful"] in pulled, (totals, logs)

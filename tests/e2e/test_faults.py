@@ -23,12 +23,13 @@ import time
 
 import httpx
 import pytest
-from pd_checks import metric, settled_totals, wait_for_metric
+from pd_checks import metric, settled_totals, transfer_evidence, wait_for_metric
 
 from vllm_ascend_mooncake.connector.keys import SECRET_ENV
 from vllm_ascend_mooncake.connector.params import release_target
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
+from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.testing.waiting import wait_until
@@ -117,7 +118,21 @@ def wait_no_blocks_in_use(url: str, within_s: float) -> None:
 
 def assert_no_failed_pull_since(pd: LocalDeployment, failed_before: int) -> None:
     """The recomputing decode would hide a failed pull behind a right answer: count them."""
-    assert settled_totals(pd)["failed"] == failed_before, f"a pull failed; see {pd.log_dir}"
+    assert settled_totals(pd)["failed"] == failed_before, transfer_evidence(pd)
+
+
+def admitted(url: str) -> float:
+    """Requests the engine at ``url`` has taken in since it started: those waiting, running
+    and finished (one scrape, so the three agree)."""
+    text = metrics_text(url)
+    return sum(
+        metric_sum(text, name)
+        for name in (
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "vllm:request_success_total",
+        )
+    )
 
 
 def prefill_params(pd: LocalDeployment, name: str, prompt: str) -> dict:
@@ -308,7 +323,7 @@ def test_a_decode_request_queued_past_the_release_timeout_keeps_its_kv(
     finally:
         signal_all(engine, signal.SIGCONT)
     after = settled_totals(pd)
-    assert after["failed"] == before["failed"], f"a pull failed; see {pd.log_dir}"
+    assert after["failed"] == before["failed"], transfer_evidence(pd)
     assert after["expired"] == before["expired"], f"prefill released by timeout; {pd.log_dir}"
     assert after["successful"] == before["successful"] + 1
     assert_engines_alive(pd.decode.base_url, pd.prefill.base_url)
@@ -400,7 +415,8 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
     pd, _, name, reference = deployment
     decode = pd.decode.base_url
     long_body = {"max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True}
-    failed_before = pd.transfer_totals()["failed"]
+    failed_before = settled_totals(pd)["failed"]
+    admitted_before = admitted(decode)
     # Straight to decode, no hand-off: QUEUED_BATCHES batches of them queue ahead of the leaving
     # requests, with no prefill hold that could expire meanwhile (a P/D request queued past
     # release_timeout_s finds its KV released and is recomputed). The leaving requests are seen
@@ -438,12 +454,16 @@ def test_clients_leaving_while_queued_on_a_busy_decode_keep_it_alive(deployment,
             seen_waiting_batches * MAX_NUM_SEQS,
             "nothing queued",
         )
+        # Every filler in decode's queue first, then the leaving requests behind them: counted
+        # as requests decode took in, not as its queue's length, which the fillers alone fill.
+        wait_until(
+            lambda: admitted(decode) >= admitted_before + len(running + queued + fillers),
+            "decode takes in every filler",
+        )
         leaving = [LeavingClient(proxy_url, name, f"{PROMPT} leaving {i}") for i in range(3)]
-        wait_for_metric(
-            decode,
-            "vllm:num_requests_waiting",
-            MAX_NUM_SEQS + 3,
-            "the leaving requests never queued",
+        wait_until(
+            lambda: admitted(decode) >= admitted_before + len(running + queued + fillers) + 3,
+            "the leaving requests queue on decode",
         )
         answered = [client.hang_up() for client in leaving]
         assert not any(answered), "a leaving request got tokens before its client left"
