@@ -210,3 +210,26 @@ def test_probes_of_prefills_that_never_answer_do_not_delay_a_live_ones(client) -
         close(senders)
         for listener in silent:
             listener.close()
+
+
+def test_a_probe_cut_short_by_shut_down_says_nothing(client, caplog) -> None:
+    """A worker shutting down closes its side channel under a probe still waiting on a silent
+    prefill: the probe's failure is the shut-down's, not the peer's, so it is neither logged
+    as the peer's nor answered (nobody holds a request for it any more)."""
+    listener = socket.socket()  # listening, never answering
+    listener.bind((HOST, 0))
+    listener.listen(8)
+    probes = PairingProbes(directory(client))
+    try:
+        probes.submit(PairingOrder("frozen", HOST, listener.getsockname()[1], 1))
+        time.sleep(0.3)  # the probe is under way
+        probes.close()
+        client.close()
+        deadline = time.monotonic() + 15
+        while probes._pending and time.monotonic() < deadline:  # the probe thread ends
+            time.sleep(0.1)
+        assert probes.take_verdicts() == []
+        assert "could not pair" not in caplog.text
+        assert "failed" not in caplog.text
+    finally:
+        listener.close()

@@ -187,6 +187,7 @@ class PairingProbes:
         self._news = threading.Condition(self._lock)
         self._pending = 0
         self._verdicts: list[PairingVerdict] = []
+        self._closed = False
 
     def submit(self, order: PairingOrder) -> None:
         with self._lock:
@@ -204,8 +205,13 @@ class PairingProbes:
         try:
             verdict = probe_prefill(self._peers, order)
         except Exception as exc:  # a verdict always comes back: the scheduler holds a request
+            if self._closed:  # the worker shuts down under the probe: nobody waits for it
+                logger.debug("pairing with prefill engine %s ended by shut-down", order.engine_id)
+                return
             logger.exception("pairing with prefill engine %s failed", order.engine_id)
             verdict = PairingVerdict(order.engine_id, PairingOutcome.UNREACHABLE, repr(exc))
+        if self._closed:
+            return
         if verdict.outcome is PairingOutcome.UNREACHABLE:
             logger.info(
                 "could not pair with prefill engine %s before its first pull (%s); the pull "
@@ -231,4 +237,7 @@ class PairingProbes:
         return verdicts
 
     def close(self) -> None:
+        """Before the side channel closes: probes still running end without a word (their
+        peer's failure would be the shut-down's, not the peer's)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,7 @@ from ..log import get_logger
 from .compat import IncompatiblePeerError, check_peer
 from .side_channel import (
     BadAddress,
+    ClientClosed,
     PeerRefused,
     PeerSilent,
     SideChannelClient,
@@ -185,14 +186,16 @@ class PeerDirectory:
 
     def _fetch_with_retries(self, host: str, port: int):
         """A busy prefill worker (first request, CPU contention) may miss one exchange; a peer
-        silent through every attempt is marked down for ``cooldown_s``, a refusal is not retried
-        (asking again would get the same answer)."""
+        silent through every attempt is marked down for ``cooldown_s``; a refusal, a bad address
+        and a closed client are not retried (asking again would get the same answer)."""
         for attempt, backoff_s in enumerate(FETCH_BACKOFF_S):
             try:
                 return self._client.fetch_metadata(host, port)
-            except (PeerRefused, BadAddress):
+            except (PeerRefused, BadAddress, ClientClosed):
                 raise
             except SideChannelError as exc:
+                if self._client.closed:  # closed while this exchange ran: the worker shuts down
+                    raise ClientClosed(f"metadata fetch from {host}:{port}: {exc}") from exc
                 if attempt == len(FETCH_BACKOFF_S) - 1:
                     if isinstance(exc, PeerSilent):
                         self._mark_down((host, port), f"it did not answer ({exc})")

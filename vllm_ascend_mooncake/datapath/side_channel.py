@@ -67,6 +67,10 @@ class BadAddress(SideChannelError):
     """The peer's address is not one to connect to at all: asking again will not help."""
 
 
+class ClientClosed(SideChannelError):
+    """This side's client was closed (the worker shuts down): asking again will not help."""
+
+
 class FrameSigner:
     """HMAC-SHA256 of each side-channel message under a secret both sides share."""
 
@@ -430,7 +434,7 @@ class SideChannelClient:
             self._drop(*sockets.popitem(last=False))
         with self._guard:
             if self._closed:
-                raise SideChannelError(f"no exchange with {host}:{port}: the client is closed")
+                raise ClientClosed(f"no exchange with {host}:{port}: the client is closed")
             sock = self._context.socket(zmq.DEALER)
             self._all_sockets[sock] = threading.current_thread()
         try:
@@ -499,6 +503,11 @@ class SideChannelClient:
 
     def fetch_metadata(self, host: str, port: int) -> Message:
         return self.request(host, port, GetMetadata())
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (exchanges are refused)."""
+        return self._closed
 
     def close_thread_sockets(self) -> None:
         """Close the calling thread's sockets: a thread that ends calls it, else its sockets
