@@ -15,6 +15,7 @@ from vllm_ascend_mooncake.launch.tiny_hybrid_model import (
     SLIDING,
     TinyQwen3NextModelSpec,
     TinySlidingWindowModelSpec,
+    check_gdn_tp_split,
 )
 from vllm_ascend_mooncake.launch.tiny_model import (
     MANIFEST_FILE,
@@ -108,3 +109,33 @@ def test_sliding_window_model_does_not_share_the_llama_cache_entry() -> None:
 def test_qwen3_next_spec_refuses_what_vllm_cannot_serve(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TinyQwen3NextModelSpec(**kwargs)
+
+
+def test_gdn_split_check_accepts_vllms_shards_and_rejects_a_plain_split(tmp_path: Path) -> None:
+    """The colocated run's TP check (``check_gdn_tp_split``), fed rank weights cut by hand: the
+    per-sub-projection split vLLM uses passes, one contiguous split of the conv rows fails."""
+    spec = TinyQwen3NextModelSpec()
+    directory = build(spec, tmp_path)
+    weights = safetensors_torch.load_file(str(directory / "model.safetensors"))
+    layer = "model.layers.0.linear_attn"
+    conv = weights[f"{layer}.conv1d.weight"].float().reshape(-1, spec.linear_conv_kernel_dim)
+    a_log = weights[f"{layer}.A_log"].float()
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    q, k, v = conv[:key_dim], conv[key_dim : 2 * key_dim], conv[2 * key_dim :]
+
+    def rank(conv_rows: torch.Tensor, heads: torch.Tensor) -> dict:
+        return {
+            "layer": layer,
+            "conv_weight": conv_rows.reshape(-1).tolist(),
+            "a_log": heads.tolist(),
+        }
+
+    def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t[: len(t) // 2], t[len(t) // 2 :]
+
+    (q0, q1), (k0, k1), (v0, v1), (a0, a1) = halves(q), halves(k), halves(v), halves(a_log)
+    vllm_split = [rank(torch.cat([q0, k0, v0]), a0), rank(torch.cat([q1, k1, v1]), a1)]
+    plain = [rank(conv[: len(conv) // 2], a0), rank(conv[len(conv) // 2 :], a1)]
+    assert check_gdn_tp_split(spec, str(directory), vllm_split)
+    assert check_gdn_tp_split(spec, str(directory), [rank(conv, a_log)])
+    assert not check_gdn_tp_split(spec, str(directory), plain)

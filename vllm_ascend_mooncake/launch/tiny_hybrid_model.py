@@ -331,6 +331,53 @@ def describe_worker_kv_caches(worker: Any) -> dict[str, Any]:
     }
 
 
+def gdn_rank_weights(worker: Any) -> dict[str, Any]:
+    """Run on each worker: the first GDN layer's conv weight (one row per conv-state column) and
+    ``A_log`` (one entry per value head, the SSM state's first axis) as this rank loaded them.
+    Their rows are the columns and heads of the states this rank holds, which is how
+    :func:`check_gdn_tp_split` verifies the split the design relies on."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    name = next((n for n in sorted(context) if n.endswith("linear_attn")), None)
+    if name is None:
+        return {}
+    layer = context[name]
+    return {
+        "layer": name,
+        "conv_weight": layer.conv1d.weight.detach().float().reshape(-1).tolist(),
+        "a_log": layer.A_log.detach().float().tolist(),
+    }
+
+
+def check_gdn_tp_split(
+    spec: TinyQwen3NextModelSpec, model: str, ranks: list[dict[str, Any]]
+) -> bool:
+    """Whether each rank's conv rows are ``[Q_r | K_r | V_r]`` (the ``r``-th contiguous part of
+    each sub-projection of the checkpoint's ``conv1d``) and its ``A_log`` the ``r``-th
+    contiguous part of the value heads: vLLM's GDN sharding, read in
+    ``qwen_gdn_linear_attn.py`` (``mamba_v2_sharded_weight_loader``), checked on what it loaded."""
+    from safetensors.torch import load_file
+
+    weights = load_file(f"{model}/model.safetensors")
+    layer = ranks[0]["layer"]  # vLLM's layer name is the checkpoint's module name
+    conv = weights[f"{layer}.conv1d.weight"].float().reshape(-1, spec.linear_conv_kernel_dim)
+    a_log = weights[f"{layer}.A_log"].float()
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    parts = (key_dim, key_dim, spec.linear_num_value_heads * spec.linear_value_head_dim)
+    tp = len(ranks)
+    for rank, got in enumerate(ranks):
+        rows, start = [], 0
+        for width in parts:
+            share = width // tp
+            rows.append(conv[start + rank * share : start + (rank + 1) * share])
+            start += width
+        expected_conv = [float(x) for block in rows for x in block.reshape(-1)]
+        heads = len(a_log) // tp
+        expected_a_log = [float(x) for x in a_log[rank * heads : (rank + 1) * heads]]
+        if got["conv_weight"] != expected_conv or got["a_log"] != expected_a_log:
+            return False
+    return True
+
+
 def _connector_views(worker: Any, config: Any) -> dict[str, dict[str, Any]]:
     """What ``register_kv_caches`` is handed per layer (vLLM 0.32's ``allocate_kv_cache``): a
     ``[B, H, N, C]`` view of the shared int8 buffer, C in bytes and strides in bytes, viewed as the
@@ -393,7 +440,9 @@ def serve_colocated(model: str, tensor_parallel_size: int, prompt_tokens: int) -
     # Again: the second run hits the prefix cache (state groups cache only aligned prefixes).
     second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    gdn = [rank for rank in llm.collective_rpc(gdn_rank_weights) if rank]
     return {
+        "gdn_rank_weights": gdn,
         "model": model,
         "tensor_parallel_size": tensor_parallel_size,
         "hybrid_manager_on": not scheduler_config.disable_hybrid_kv_cache_manager,
@@ -418,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # collective_rpc ships describe_worker_kv_caches to the workers by pickle.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     record = serve_colocated(str(path), args.tp, args.prompt_tokens)
+    ranks = record.pop("gdn_rank_weights")
+    if isinstance(spec, TinyQwen3NextModelSpec):
+        record["gdn_tp_split_as_designed"] = check_gdn_tp_split(spec, str(path), ranks)
     print("HYBRID_RECORD " + json.dumps(record, default=str))
 
 
