@@ -232,8 +232,9 @@ class TransferPromMetrics(KVConnectorPromMetrics):
                 for idx, values in per_engine_labelvalues.items()
             }
             for kind in FailureKind
-            # cancellations are not failures; a pull whose read never settled is never reported
-            if kind not in (FailureKind.CANCELLED, FailureKind.UNSETTLED)
+            # cancellations (by vLLM or by the client) are not failures; a pull whose read never
+            # settled is never reported
+            if kind not in (FailureKind.CANCELLED, FailureKind.CLIENT_LEFT, FailureKind.UNSETTLED)
         }
         self._expired = counter(
             "vllm:mooncake_hetero_expired_releases",

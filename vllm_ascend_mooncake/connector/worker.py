@@ -393,13 +393,16 @@ class ConnectorWorker:
                 if failure.cancelled:  # vLLM frees the blocks of a finished request unused
                     logger.info("KV load of request %s cancelled: %s", request_id, failure.reason)
                     continue
+                self._load_errors.update(failure.local_block_ids)
+                if failure.kind is FailureKind.CLIENT_LEFT:  # its abort is on its way to vLLM
+                    logger.info("KV load of request %s ended: %s", request_id, failure.reason)
+                    continue
                 logger.warning(
                     "KV load failed for request %s (%s): %s",
                     request_id,
                     failure.kind.value,
                     failure.reason,
                 )
-                self._load_errors.update(failure.local_block_ids)
                 self.stats.record_failure(failure.kind)
             reported = time.monotonic()
             for pull in self.receiver.take_stats():

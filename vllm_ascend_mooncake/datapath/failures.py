@@ -38,6 +38,9 @@ class FailureKind(str, Enum):
     LEASE_OUTLASTED = "lease_outlasted"
     #: vLLM finished the request before prefill granted it (not a transfer failure)
     CANCELLED = "cancelled"
+    #: the router freed prefill's hold because the client left, racing the abort of the
+    #: request on its way to decode (not a transfer failure; the blocks are still not loaded)
+    CLIENT_LEFT = "client_left"
     #: prefill did not answer, its side channel failed, or its circuit is open
     PEER_UNAVAILABLE = "peer_unavailable"
     #: the transport failed the read (after its retries)

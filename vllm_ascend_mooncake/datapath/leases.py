@@ -26,6 +26,9 @@ from .wire import ClaimRead, ClaimReply
 
 logger = get_logger(__name__)
 
+#: How a claim that was not granted fails, by the status prefill answered (others: refused).
+_REFUSAL_KINDS = {"pending": FailureKind.NOT_READY, "dropped": FailureKind.CLIENT_LEFT}
+
 
 @dataclass
 class LeasedPeer:
@@ -175,7 +178,7 @@ class Leases:
                     )
                 )
             elif reply.status != "granted":
-                kind = FailureKind.NOT_READY if reply.status == "pending" else FailureKind.REFUSED
+                kind = _REFUSAL_KINDS.get(reply.status, FailureKind.REFUSED)
                 granted.set_exception(
                     PullError(
                         kind,

@@ -433,7 +433,7 @@ class Receiver:
 
     def _give_up(self, pull: PullOrder, peers: dict[int, LeasedPeer], exc: Exception) -> None:
         failure = as_pull_error(exc)
-        if failure.kind is FailureKind.CANCELLED:
+        if failure.kind in (FailureKind.CANCELLED, FailureKind.CLIENT_LEFT):
             logger.info("cannot pull KV for request %s: %s", pull.request_id, exc)
         elif failure.kind is FailureKind.INTERNAL:
             logger.error("cannot pull KV for request %s: %s", pull.request_id, exc, exc_info=exc)

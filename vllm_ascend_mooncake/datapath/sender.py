@@ -39,6 +39,7 @@ hands to other requests. Transfers released then stay refused after :meth:`SendT
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -270,7 +271,9 @@ class SendTracker:
             if held is None:
                 if transfer_id in self._released:
                     why = self._released[transfer_id][2]
-                    return ClaimReply("refused", reason=f"its blocks were already released: {why}")
+                    # the router freed it as its client left: decode's request is being aborted
+                    status = "dropped" if why == _DROPPED else "refused"
+                    return ClaimReply(status, reason=f"its blocks were already released: {why}")
                 return ClaimReply("pending", reason="prefill has not finished it yet")
             if held.lessees.get(decode_rank, reader) != reader:
                 return ClaimReply(
@@ -341,6 +344,12 @@ class SendTracker:
                     f"longest any transfer is held",
                 )
             return ClaimReply("held", lease_s=held.deadline - now)
+
+    def dropped(self, transfer_id: str) -> bool:
+        """Whether a router freed ``transfer_id`` because its client left (:meth:`drop_unread`)."""
+        with self._lock:
+            released = self._released.get(transfer_id)
+        return released is not None and released[2] == _DROPPED
 
     def drop_unread(self, transfer_id: str) -> ClaimReply:
         """Free ``transfer_id`` now unless a decode rank leased it (a router's client left, so
@@ -550,7 +559,10 @@ class PrefillSender:
             if stale is not None:
                 return stale
             if not message.success:
-                logger.warning(
+                # a claim that raced its client's leaving: nothing wrong with either side
+                raced = self.tracker.dropped(message.request_id)
+                logger.log(
+                    logging.INFO if raced else logging.WARNING,
                     "decode rank %d failed to read request %s: %s",
                     message.decode_rank,
                     message.request_id,

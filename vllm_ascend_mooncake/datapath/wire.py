@@ -177,7 +177,10 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
 class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
     """``granted``: read within ``lease_s`` seconds of sending the claim; ``pending``: the
     request is not registered yet, ask again shortly; ``refused``: never read it (released,
-    restarted, not a reader, or another prompt). A grant carries the prompt's block ids."""
+    restarted, not a reader, or another prompt); ``dropped``: never read it, a router freed it
+    because its client left (:class:`DropHold`), so the claiming request is being aborted (a
+    reader that does not know this status takes it for ``refused``). A grant carries the
+    prompt's block ids."""
 
     status: Id
     lease_s: float = 0.0
