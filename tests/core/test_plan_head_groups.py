@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.plan import RequestPulls, may_need_staging, plan_request
-from vllm_ascend_mooncake.core.topology import TopologyError, Topologies, TransferTopology
+from vllm_ascend_mooncake.core.topology import Topologies, TopologyError, TransferTopology
 from vllm_ascend_mooncake.testing.kv_reference import LAYOUT_KINDS, region_table
 from vllm_ascend_mooncake.testing.plan_simulator import (
     PullCase,
@@ -268,7 +268,7 @@ def test_a_region_of_an_unknown_head_group_is_refused() -> None:
     topology = TransferTopology(8, 2, 2, extra_kv_heads=(4,))
     layout = RegionLayout(BlockOrder.HEAD_MAJOR, 2, 2 * 2 * 2, 2, 2, 2, kv_heads=6)
     regions, _ = region_table("d.", 1 << 30, [layout])
-    with pytest.raises(TopologyError, match="no head group of 6 KV heads.*8, 4"):
+    with pytest.raises(TopologyError, match=r"no head group of 6 KV heads.*8, 4"):
         RequestPulls.of(topology, 0, 0, regions)
 
 

@@ -168,11 +168,10 @@ class ConnectorWorker:
         refuse_unsupported_parallelism(vllm_config.parallel_config)
         refuse_hybrid_layers(ordered, layers)
         model = vllm_config.model_config
-        drafts = (
-            draft_layer_names(ordered, layers, model.get_total_num_hidden_layers())
-            if config.draft_kv_heads
-            else set()
-        )
+        drafts: set[str] = set()
+        if config.draft_kv_heads:  # past the target's layers, all on this rank (PP 1 only)
+            target_layers = model.get_num_layers(vllm_config.parallel_config)
+            drafts = draft_layer_names(ordered, layers, target_layers)
         geometry = attention_geometry(
             ordered,
             layers,

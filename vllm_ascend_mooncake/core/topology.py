@@ -13,9 +13,9 @@ names its group (``RegionLayout.kv_heads``), and a decode rank reads, for a requ
 the prefill ranks its groups' pulls name (:meth:`TransferTopology.prefill_ranks_for`).
 
 Prefill (TP ``Tp``) and decode (TP ``Td``) shard the same heads differently. Each decode rank
-assembles its heads from whole prefill "head groups" (the heads one prefill rank owns) when a
-prefill rank owns fewer heads than a decode rank, or reads a slice of one prefill group when it owns
-more. When a group is replicated on several prefill ranks, the replica is chosen from a seed derived
+assembles its heads from whole prefill "head slices" (the heads one prefill rank owns) when a
+prefill rank owns fewer heads than a decode rank, or reads part of one prefill slice when it owns
+more. When a slice is replicated on several prefill ranks, the replica is chosen from a seed derived
 from the request id, so that both sides compute the same choice independently and load spreads over
 the replicas.
 """
@@ -183,7 +183,7 @@ class TransferTopology:
         return range(head, head + 1)
 
     def _prefill_replicas(self, first_head: int) -> tuple[int, ...]:
-        """Prefill ranks owning the head group that starts at ``first_head`` (ascending)."""
+        """Prefill ranks owning the head slice that starts at ``first_head`` (ascending)."""
         return self._replicas_by_group[first_head]
 
     @cached_property
@@ -194,7 +194,7 @@ class TransferTopology:
         return {start: tuple(ranks) for start, ranks in groups.items()}
 
     def _group_readers(self, first_head: int) -> list[int]:
-        """Decode ranks that read from the prefill head group starting at ``first_head``."""
+        """Decode ranks that read from the prefill head slice starting at ``first_head``."""
         group = range(first_head, first_head + self.prefill_heads_per_rank)
         return [d for d in range(self.decode_tp) if _overlaps(self.decode_heads(d), group)]
 
