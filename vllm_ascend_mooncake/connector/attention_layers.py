@@ -141,7 +141,7 @@ def attention_geometry(
             f"with a draft model of the target's head size"
         )
     by_kind = {d: (g, name) for (d, g), name in found.items()}
-    geometry, name = by_kind.get(False, by_kind.get(True))  # type: ignore[misc]
+    geometry, name = by_kind[False] if False in by_kind else by_kind[True]
     if geometry != default and not is_mla:
         logger.info(
             "attention layer %s holds %d KV head(s) of size %d on this rank, where the model "
