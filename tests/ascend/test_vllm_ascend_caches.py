@@ -22,6 +22,11 @@ import pytest
 import torch
 
 from vllm_ascend_mooncake.connector.attention_layers import (
+    LayerGeometry,
+    attention_geometry,
+    check_planned_heads,
+    draft_layer_heads,
+    draft_layer_names,
     refuse_hybrid_layers,
     refuse_unsupported_parallelism,
 )
@@ -428,19 +433,71 @@ def test_hnd_views_are_head_major_and_nhd_token_major() -> None:
     assert {r.layout.block_order for r in hnd_square} == {BlockOrder.HEAD_MAJOR}
 
 
-def test_a_draft_layer_with_its_own_kv_head_count_is_refused_naming_it() -> None:
-    """An MTP/EAGLE draft layer whose KV-head count differs from the model's (vllm-ascend PR
-    #11886): planned with one head count for every layer, it would be mis-read, so it is
-    refused at start-up, naming the layer."""
+def _with_draft_layer(draft_heads: int) -> tuple[dict[str, Cache], dict[str, SimpleNamespace]]:
+    """Two model layers of 4 KV heads and an MTP/EAGLE draft layer (numbered past them, as
+    vLLM numbers its draft layers) of ``draft_heads``, with the attention layers vLLM built."""
     main, _ = combined_gqa_v030(
         Geometry(layers=2, heads=4, engine_blocks=2, block_size=32, kernel_block=32)
     )
     draft, _ = combined_gqa_v030(
-        Geometry(layers=1, heads=1, engine_blocks=2, block_size=32, kernel_block=32)
+        Geometry(layers=1, heads=draft_heads, engine_blocks=2, block_size=32, kernel_block=32)
     )
     caches = {**main, "model.layers.2.mtp.attn": next(iter(draft.values()))}
-    with pytest.raises(LayoutError, match=r"model\.layers\.2\.mtp\.attn.*KV-head count"):
-        _regions(CASES[1], caches, 4, 32)
+    layers = {name: SimpleNamespace(num_kv_heads=4, head_size=HEAD_SIZE) for name in main}
+    layers["model.layers.2.mtp.attn"] = SimpleNamespace(
+        num_kv_heads=draft_heads, head_size=HEAD_SIZE
+    )
+    return caches, layers
+
+
+def _draft_registration(caches, layers, topology: TransferTopology, draft_kv_heads: int):
+    """What the worker does at registration: find the draft layers, read every layer's
+    geometry, check it against the topology and describe the regions."""
+    drafts = draft_layer_names(caches, layers, target_layers=2)
+    geometry = attention_geometry(
+        caches, layers, default=LayerGeometry(4, HEAD_SIZE), is_mla=False, draft_layers=drafts
+    )
+    check_planned_heads(geometry, topology, False, topology.decode_tp, draft_kv_heads)
+    return regions_from_split_caches(
+        caches,
+        num_kv_heads=geometry.num_kv_heads,
+        block_size=32,
+        head_size=HEAD_SIZE,
+        is_mla=False,
+        layer_heads=draft_layer_heads(geometry, topology, draft_kv_heads),
+    )
+
+
+def test_a_draft_layer_with_its_own_kv_head_count_is_accepted_and_planned() -> None:
+    """An MTP/EAGLE draft layer whose KV-head count differs from the model's (vllm-ascend PR
+    #11886) is a head group of its own: its regions name it and are planned with its pulls."""
+    caches, layers = _with_draft_layer(draft_heads=1)
+    topology = TransferTopology(4, 1, 1, extra_kv_heads=(1,))
+    regions = _draft_registration(caches, layers, topology, draft_kv_heads=1)
+    assert [(r.name, r.layout.num_heads, r.layout.kv_heads) for r in regions[-2:]] == [
+        ("model.layers.2.mtp.attn.k", 1, 1),
+        ("model.layers.2.mtp.attn.v", 1, 1),
+    ]
+    assert {r.layout.kv_heads for r in regions[:-2]} == {0}
+    plan = plan_request(topology, 0, 0, regions, {0: regions}, [1], [0])
+    k, v = regions[-2:]
+    expected = {k.layout.block_len, v.layout.block_len}
+    draft_reads = [
+        int(n)
+        for b in plan.peers[0].batches
+        for addr, n in zip(b.local_addrs, b.lengths, strict=True)
+        if addr in (k.block_addr(1), v.block_addr(1))
+    ]
+    assert set(draft_reads) == expected  # one block of the draft's one head per region
+
+
+def test_a_draft_layer_contradicting_its_groups_total_is_refused_naming_it() -> None:
+    """A draft layer holding 2 heads on this rank where the draft config's 1 KV head over TP 1
+    gives 1: refused at start-up, naming the layer."""
+    caches, layers = _with_draft_layer(draft_heads=2)
+    topology = TransferTopology(4, 1, 1, extra_kv_heads=(1,))
+    with pytest.raises(LayoutError, match=r"draft layer model\.layers\.2\.mtp\.attn holds 2"):
+        _draft_registration(caches, layers, topology, draft_kv_heads=1)
 
 
 def test_context_parallelism_is_refused_at_start_up() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.config import draft_model_kv_heads, parse_config
 from vllm_ascend_mooncake.connector.keys import SECRET_ENV, ConnectorConfigError
 
 
@@ -29,6 +31,28 @@ def test_defaults_and_topology() -> None:
     assert cfg.role == "consumer" and cfg.protocol == "tcp" and cfg.coalesce_runs
     assert cfg.topology().pulls_per_decode_rank == 2
     assert cfg.side_channel_base_port(dp_rank=1) == cfg.side_channel_port + 2
+
+
+def test_a_draft_models_own_kv_heads_are_a_head_group_of_the_topology() -> None:
+    """EAGLE's 2 KV heads beside the model's 4: the topology plans both groups; a draft of the
+    model's count, or none, leaves one group."""
+    assert [g.num_kv_heads for g in config(draft_kv_heads=2).topology().head_groups] == [4, 2]
+    assert len(config(draft_kv_heads=4).topology().head_groups) == 1
+    assert len(config().topology().head_groups) == 1
+
+
+def test_a_draft_group_the_tp_sizes_cannot_shard_is_refused_at_start_up() -> None:
+    with pytest.raises(ConnectorConfigError, match=r"draft \(EAGLE/MTP\) layers' 3 KV heads"):
+        config(draft_kv_heads=3)
+
+
+def test_the_draft_models_kv_heads_come_from_its_config() -> None:
+    draft = SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+    with_draft = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=draft))
+    assert draft_model_kv_heads(with_draft) == 2
+    ngram = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=None))
+    assert draft_model_kv_heads(ngram) == 0
+    assert draft_model_kv_heads(SimpleNamespace(speculative_config=None)) == 0
 
 
 def test_reads_poll_over_tcp_and_keep_mooncakes_wait_elsewhere() -> None:

@@ -95,7 +95,8 @@ def test_staging_buffer_only_when_some_prefill_makes_a_decode_rank_stage(
         block_len = local_heads * 32 * 256
         packing = chunk_packing("CPU_ATTN/vec", "auto", 64, 2) if head_major == "packed" else ()
         local = RegionLayout(order, 8, block_len, local_heads, 32, 256, packing=packing)
-    assert decode_settings(cfg, local).staging_bytes == (3 * MIB if stages else 0)
+    layouts = [local] if local is not None else []
+    assert decode_settings(cfg, layouts).staging_bytes == (3 * MIB if stages else 0)
 
 
 def test_prefill_settings_listen_on_the_ranks_port() -> None:

@@ -11,6 +11,7 @@ from vllm_ascend_mooncake.connector.attention_layers import AttentionGeometry
 from vllm_ascend_mooncake.connector.worker import ConnectorWorker
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError
 from vllm_ascend_mooncake.core.packing import chunk_packing
+from vllm_ascend_mooncake.datapath.registration import LayerHeads
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity
 
 BLOCKS, BLOCK_SIZE = 4, 16
@@ -27,14 +28,39 @@ def ascend_mla_caches():
     }
 
 
-def worker(is_mla: bool, heads: int, head_size: int, block_size: int = BLOCK_SIZE):
-    """A worker's ``_describe`` for layers whose attention allocated ``heads`` of ``head_size``."""
+def worker(
+    is_mla: bool, heads: int, head_size: int, block_size: int = BLOCK_SIZE, layer_heads=None
+):
+    """A worker's ``_describe`` for layers whose attention allocated ``heads`` of ``head_size``
+    (``layer_heads``: draft layers of a head group of their own)."""
     made = object.__new__(ConnectorWorker)  # not started: only what _describe reads
     made.config = SimpleNamespace(is_mla=is_mla, block_size=block_size)
     geometry = AttentionGeometry(heads, head_size)
     return SimpleNamespace(
-        _describe=lambda caches, identity: made._describe(caches, identity, geometry)
+        _describe=lambda caches, identity: made._describe(caches, identity, geometry, layer_heads)
     )
+
+
+def test_a_draft_layer_of_its_own_head_group_is_described_with_its_heads() -> None:
+    """vLLM CPU views of two model layers holding 2 KV heads and an EAGLE layer holding 1 of its
+    draft's 2 (TP 2): the draft's regions hold 1 head and name its group; a draft view holding
+    other heads than its group gives is refused, naming the layer."""
+    views = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(3, 2, 32, 128, dtype=torch.bfloat16)
+        for i in range(2)
+    }
+    views["model.layers.2.self_attn.attn"] = torch.zeros(3, 1, 32, 128, dtype=torch.bfloat16)
+    identity = ModelIdentity("tiny", "bfloat16", "auto", 32, 64, 4, 3, False, "CPU_ATTN/vec")
+    draft = {"model.layers.2.self_attn.attn": LayerHeads(num_kv_heads=1, group_kv_heads=2)}
+    memory = worker(False, 2, 64, 32, draft)._describe(views, identity)
+    assert [(r.layout.num_heads, r.layout.kv_heads) for r in memory.regions] == [
+        (2, 0),
+        (2, 0),
+        (1, 2),
+    ]
+    wrong = {"model.layers.2.self_attn.attn": LayerHeads(num_kv_heads=2, group_kv_heads=4)}
+    with pytest.raises(LayoutError, match=r"layer model\.layers\.2\.self_attn\.attn: .*1 heads"):
+        worker(False, 2, 64, 32, wrong)._describe(views, identity)
 
 
 def test_the_worker_describes_tuple_caches_with_the_configs_mla_flag() -> None:

@@ -23,8 +23,16 @@ def metadata(
     names=("a", "b"),
     tokens=32,
     packing=(),
+    draft: tuple[int, int] | None = None,
 ) -> WorkerMetadata:
+    """``draft``: the last region is a draft layer's, (heads held, its group's total)."""
     layout = RegionLayout(order, 8, heads * tokens * 256, heads, tokens, 256, packing=packing)
+    layouts = [layout] * len(names)
+    if draft is not None:
+        held, total = draft
+        layouts[-1] = RegionLayout(
+            order, 8, held * tokens * 256, held, tokens, 256, packing=packing, kv_heads=total
+        )
     return WorkerMetadata(
         engine_id="e",
         incarnation="i",
@@ -35,7 +43,10 @@ def metadata(
         pp_size=1,
         transport_session="127.0.0.1:1",
         identity=identity,
-        regions=[RegionInfo.of(Region(n, 4096 * i, layout)) for i, n in enumerate(names)],
+        regions=[
+            RegionInfo.of(Region(n, 4096 * i, lay))
+            for i, (n, lay) in enumerate(zip(names, layouts, strict=True))
+        ],
     )
 
 
@@ -78,6 +89,20 @@ def test_compatible_pair_passes() -> None:
 def test_mismatches_are_named(remote, message) -> None:
     with pytest.raises(IncompatiblePeerError, match=message):
         check_peer(metadata(4, 1), remote, TOPO)
+
+
+def test_a_draft_layers_regions_are_checked_against_their_own_head_group() -> None:
+    """The model's 4 heads and a draft's 2 at prefill TP 2 -> decode TP 1: the draft region holds
+    1 head on prefill and 2 on decode; a draft region of another group, or holding heads its
+    group does not give, is refused naming the region."""
+    topology = TransferTopology(4, 2, 1, extra_kv_heads=(2,))
+    check_peer(metadata(4, 1, draft=(2, 2)), metadata(2, 2, draft=(1, 2)), topology)
+    with pytest.raises(IncompatiblePeerError, match=r"region b's layer has 4 KV heads on prefill"):
+        check_peer(metadata(4, 1, draft=(2, 2)), metadata(2, 2), topology)
+    with pytest.raises(IncompatiblePeerError, match="region b holds 2 heads on prefill and 2"):
+        check_peer(metadata(4, 1, draft=(2, 2)), metadata(2, 2, draft=(2, 2)), topology)
+    with pytest.raises(IncompatiblePeerError, match="region b: no head group of 3 KV heads"):
+        check_peer(metadata(4, 1, draft=(2, 2)), metadata(2, 2, draft=(1, 3)), topology)
 
 
 def test_the_served_name_alone_may_differ() -> None:

@@ -299,6 +299,23 @@ def test_region_packing_travels_and_peers_of_either_version_understand_each_othe
         msgspec.structs.replace(info, packing=[(0, 2, 1)]).to_region()
 
 
+def test_a_regions_head_group_travels_and_an_older_peer_reads_as_the_models() -> None:
+    """A draft layer's regions name their head group (``kv_heads``), added without a protocol
+    bump: a peer that does not send it has every region in the model's group."""
+    from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+    from vllm_ascend_mooncake.datapath.wire import RegionInfo
+
+    layout = RegionLayout(BlockOrder.HEAD_MAJOR, 4, 32 * 256, 1, 32, 256, kv_heads=2)
+    info = RegionInfo.of(Region("model.layers.2.self_attn.attn", 4096, layout))
+    wire_bytes = msgspec.msgpack.encode(info)
+    assert msgspec.msgpack.decode(wire_bytes, type=RegionInfo).to_region().layout == layout
+    older = msgspec.msgpack.encode(msgspec.structs.asdict(info) | {"kv_heads": 0})
+    assert msgspec.msgpack.decode(older, type=RegionInfo).to_region().layout.kv_heads == 0
+    trimmed = {k: v for k, v in msgspec.structs.asdict(info).items() if k != "kv_heads"}
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(trimmed), type=RegionInfo)
+    assert decoded.to_region().layout.kv_heads == 0
+
+
 def test_a_client_keeps_a_bounded_number_of_sockets_however_many_peers_it_met() -> None:
     """Prefill endpoints come and go (rollouts, #27 row 6): past the ZMQ context's 1,023 sockets
     every pull to a new prefill would fail; the least recently used peer's socket is closed."""

@@ -10,12 +10,13 @@ the fallback only for a layer that does not say, and is logged as such.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.layout import LayoutError
 from ..core.topology import TransferTopology
+from ..datapath.registration import LayerHeads
 from ..log import get_logger
 
 logger = get_logger(__name__)
@@ -30,11 +31,22 @@ class LayerGeometry:
 
 
 @dataclass(frozen=True)
+class DraftLayers:
+    """The draft (EAGLE/MTP) model's attention layers, by name, and the KV heads each holds on
+    this rank: a head group of their own when the draft's total differs from the model's."""
+
+    names: frozenset[str]
+    num_kv_heads: int
+
+
+@dataclass(frozen=True)
 class AttentionGeometry:
-    """Every layer's geometry, which must agree: one transfer topology plans them all."""
+    """Every layer's geometry: the head size they all share, the heads the model's layers hold
+    on this rank, and the draft model's layers (None: there are none)."""
 
     num_kv_heads: int
     head_size: int
+    draft: DraftLayers | None = None
 
 
 def layer_geometry(layer: Any, default: LayerGeometry) -> LayerGeometry | None:
@@ -45,18 +57,50 @@ def layer_geometry(layer: Any, default: LayerGeometry) -> LayerGeometry | None:
     return None
 
 
+def draft_layer_names(
+    names: Iterable[str], layers: Mapping[str, Any], target_layers: int
+) -> set[str]:
+    """The attention layers vLLM's speculative decoding added for its draft model: those it
+    marks (``is_draft_layer``, set by its GPU model runner's speculators), those of a draft
+    model loaded under the ``draft_model`` prefix (``v1/spec_decode/draft_model.py``), and
+    those numbered past the target model's ``target_layers`` layers (EAGLE, EAGLE3 and MTP
+    heads number theirs from the target's layer count: ``start_layer_id=target_layer_num``,
+    ``mtp_start_layer_idx = config.num_hidden_layers``)."""
+    return {name for name in names if _is_draft_layer(name, layers.get(name), target_layers)}
+
+
+def _is_draft_layer(name: str, layer: Any, target_layers: int) -> bool:
+    if getattr(layer, "is_draft_layer", False) is True or name.startswith(DRAFT_MODEL_PREFIX):
+        return True
+    index = layer_index(name)
+    return index is not None and index >= target_layers
+
+
+#: The prefix vLLM's draft-model proposer loads its model's layers under.
+DRAFT_MODEL_PREFIX = "draft_model."
+
+
+def layer_index(name: str) -> int | None:
+    """The layer number in a layer's name (``model.layers.12.self_attn.attn``: 12), as vLLM's
+    ``extract_layer_index`` reads it; None when the name holds none or several."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
+
+
 def attention_geometry(
     kv_caches: Mapping[str, Any],
     layers: Mapping[str, Any],
     *,
     default: LayerGeometry,
     is_mla: bool,
+    draft_layers: Collection[str] = (),
 ) -> AttentionGeometry:
     """The head count and head size of the KV caches' layers, as their attention layers
-    allocated them (``default``, the model config's, where a layer does not say). Layers that
-    disagree on the head count are refused, naming one: a draft (MTP/EAGLE) layer with a
-    KV-head count of its own would be planned with the wrong heads. An MLA latent has one head."""
-    found: dict[LayerGeometry, str] = {}
+    allocated them (``default``, the model config's, where a layer does not say). The model's
+    layers must agree on the head count, and so must the draft model's (``draft_layers``), a
+    head group of their own; every layer must have one head size. Layers that disagree are
+    refused, naming them. An MLA latent has one head."""
+    found: dict[tuple[bool, LayerGeometry], str] = {}
     unsaid = []
     for name in kv_caches:
         geometry = layer_geometry(layers.get(name), default)
@@ -65,7 +109,7 @@ def attention_geometry(
             geometry = default
         if is_mla:
             geometry = LayerGeometry(1, geometry.head_size)
-        found.setdefault(geometry, name)
+        found.setdefault((name in draft_layers, geometry), name)
     if unsaid:
         logger.debug(
             "%d KV cache layer(s) (%s ...) have no attention layer that says its heads: the model "
@@ -76,22 +120,28 @@ def attention_geometry(
         )
     if not found:
         return AttentionGeometry(default.num_kv_heads, default.head_size)
-    heads = {g.num_kv_heads for g in found}
-    if len(heads) > 1:
-        described = ", ".join(f"{name}: {g.num_kv_heads}" for g, name in found.items())
-        raise LayoutError(
-            f"the model's attention layers hold different numbers of KV heads on this rank "
-            f"({described}): a layer with a KV-head count of its own (an MTP or EAGLE draft "
-            f"layer) is not supported yet; serve P/D without speculative decoding"
-        )
-    sizes = {g.head_size for g in found}
+    for is_draft in (False, True):
+        heads = {g.num_kv_heads for (d, g) in found if d == is_draft}
+        if len(heads) > 1:
+            described = ", ".join(
+                f"{name}: {g.num_kv_heads}" for (d, g), name in found.items() if d == is_draft
+            )
+            raise LayoutError(
+                f"the {'draft' if is_draft else 'model'}'s attention layers hold different "
+                f"numbers of KV heads on this rank ({described}): one head group per model is "
+                f"planned (a draft layer is one vLLM's speculative decoding added, numbered past "
+                f"the model's layers); serve P/D without speculative decoding"
+            )
+    sizes = {g.head_size for (_, g) in found}
     if len(sizes) > 1:
-        described = ", ".join(f"{name}: {g.head_size}" for g, name in found.items())
+        described = ", ".join(f"{name}: {g.head_size}" for (_, g), name in found.items())
         raise LayoutError(
             f"the model's attention layers differ in head size ({described}): one transfer "
-            f"plan cannot describe them all yet"
+            f"plan cannot describe them all yet; serve P/D without speculative decoding, or "
+            f"with a draft model of the target's head size"
         )
-    ((geometry, name),) = list(found.items())[:1]
+    by_kind = {d: (g, name) for (d, g), name in found.items()}
+    geometry, name = by_kind[False] if False in by_kind else by_kind[True]
     if geometry != default and not is_mla:
         logger.info(
             "attention layer %s holds %d KV head(s) of size %d on this rank, where the model "
@@ -102,15 +152,25 @@ def attention_geometry(
             default.num_kv_heads,
             default.head_size,
         )
-    return AttentionGeometry(geometry.num_kv_heads, geometry.head_size)
+    draft = None
+    if True in by_kind and not is_mla:
+        draft_names = frozenset(n for n in kv_caches if n in draft_layers)
+        draft = DraftLayers(draft_names, by_kind[True][0].num_kv_heads)
+    return AttentionGeometry(geometry.num_kv_heads, geometry.head_size, draft)
 
 
 def check_planned_heads(
-    geometry: AttentionGeometry, topology: TransferTopology, is_prefill: bool, tp_size: int
+    geometry: AttentionGeometry,
+    topology: TransferTopology,
+    is_prefill: bool,
+    tp_size: int,
+    draft_kv_heads: int = 0,
 ) -> None:
-    """The heads the layers hold on this rank must be those the topology plans with (the config's
-    total KV heads over this side's TP): the total is the one value still taken from the config,
-    since a rank holding one replicated head cannot tell how many there are in all."""
+    """The heads the layers hold on this rank must be those the topology plans with (the
+    config's total KV heads over this side's TP; for the draft model's layers the draft
+    config's, ``draft_kv_heads``, 0: the model's): the total is the one value still taken from
+    the config, since a rank holding one replicated head cannot tell how many there are in
+    all."""
     if topology.is_mla:
         return
     planned = topology.prefill_heads_per_rank if is_prefill else topology.decode_heads_per_rank
@@ -121,6 +181,32 @@ def check_planned_heads(
             f"num_key_value_heads does not describe this model's attention, which this connector "
             f"cannot plan"
         )
+    draft = geometry.draft
+    if draft is None:
+        return
+    group = topology.group(draft_kv_heads)
+    planned = group.prefill_heads_per_rank if is_prefill else group.decode_heads_per_rank
+    if draft.num_kv_heads != planned:
+        raise LayoutError(
+            f"draft layer {min(draft.names)} holds {draft.num_kv_heads} KV head(s) on this "
+            f"rank, but the draft model's {group.heads} KV heads over TP {tp_size} give "
+            f"{planned}: its config's num_key_value_heads does not describe its attention, "
+            f"which this connector cannot plan; serve P/D without speculative decoding or with "
+            f"a draft model whose config states its KV heads"
+        )
+
+
+def draft_layer_heads(
+    geometry: AttentionGeometry, topology: TransferTopology, draft_kv_heads: int
+) -> dict[str, LayerHeads]:
+    """The draft layers that form a head group of their own (the draft's total KV heads differ
+    from the model's), by name: what their regions are described and planned with. Empty when
+    there are none or they share the model's group."""
+    draft = geometry.draft
+    if draft is None or topology.group(draft_kv_heads) is topology.head_groups[0]:
+        return {}
+    heads = LayerHeads(draft.num_kv_heads, draft_kv_heads)
+    return {name: heads for name in sorted(draft.names)}
 
 
 def refuse_unsupported_parallelism(parallel_config: Any) -> None:

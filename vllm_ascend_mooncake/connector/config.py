@@ -108,6 +108,8 @@ class ConnectorConfig:
     #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
     side_channel_secret: bytes | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: the draft (EAGLE/MTP) model's total KV heads, its layers' head group; 0: no draft model
+    draft_kv_heads: int = 0
 
     @property
     def is_producer(self) -> bool:
@@ -118,8 +120,12 @@ class ConnectorConfig:
         return self.prefill if self.is_producer else self.decode
 
     def topology(self) -> TransferTopology:
-        return TransferTopology(
-            self.num_kv_heads, self.prefill.tp_size, self.decode.tp_size, is_mla=self.is_mla
+        return _topology(
+            self.num_kv_heads,
+            self.prefill.tp_size,
+            self.decode.tp_size,
+            self.is_mla,
+            self.draft_kv_heads,
         )
 
     # -- the settings in the units the data path uses --------------------------------------
@@ -267,12 +273,15 @@ def parse_config(
     block_size: int,
     device_type: str,
     kv_port: int | None = None,
+    draft_kv_heads: int = 0,
 ) -> ConnectorConfig:
     """Validate the user's settings against the running engine.
 
     ``kv_port``: vLLM's ``KVTransferConfig.kv_port`` when the user set it
     (:func:`explicit_kv_port`), read as ``side_channel_port``. ``server_dp``: this engine's
-    ``(index, count)`` among those its API server fronts (:func:`server_dp_position`)."""
+    ``(index, count)`` among those its API server fronts (:func:`server_dp_position`).
+    ``draft_kv_heads``: the draft (EAGLE/MTP) model's total KV heads (0: none), a head group of
+    its own when it differs from ``num_kv_heads``."""
     extra = migrate_keys(dict(extra or {}), kv_port)
     unknown = sorted(set(extra) - set(KEYS_BY_NAME))
     if unknown:
@@ -322,7 +331,7 @@ def parse_config(
             f"instance's --data-parallel-size"
         )
     try:
-        TransferTopology(num_kv_heads, prefill.tp_size, decode.tp_size, is_mla=is_mla)
+        _topology(num_kv_heads, prefill.tp_size, decode.tp_size, is_mla, draft_kv_heads)
     except TopologyError as exc:
         raise ConnectorConfigError(f"cannot pair these instances: {exc}") from exc
 
@@ -347,6 +356,7 @@ def parse_config(
         prefill=prefill,
         decode=decode,
         num_kv_heads=num_kv_heads,
+        draft_kv_heads=draft_kv_heads,
         is_mla=is_mla,
         block_size=block_size,
         protocol=protocol,
@@ -385,6 +395,26 @@ def config_from_vllm(vllm_config: Any) -> ConnectorConfig:
         block_size=vllm_config.cache_config.block_size,
         device_type=current_platform.device_type,
         kv_port=explicit_kv_port(transfer),
+        draft_kv_heads=draft_model_kv_heads(vllm_config),
+    )
+
+
+def draft_model_kv_heads(vllm_config: Any) -> int:
+    """The draft model's total KV heads when vLLM runs speculative decoding with one (EAGLE,
+    MTP, a draft model); 0 otherwise (none, or n-gram and other model-free methods)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    return int(draft.get_total_num_kv_heads()) if draft is not None else 0
+
+
+def _topology(
+    num_kv_heads: int, prefill_tp: int, decode_tp: int, is_mla: bool, draft_kv_heads: int
+) -> TransferTopology:
+    """The transfer topology, the draft model's layers a head group of their own where their
+    total KV heads differ from the model's."""
+    extra = (draft_kv_heads,) if draft_kv_heads and draft_kv_heads != num_kv_heads else ()
+    return TransferTopology(
+        num_kv_heads, prefill_tp, decode_tp, is_mla=is_mla, extra_kv_heads=extra
     )
 
 

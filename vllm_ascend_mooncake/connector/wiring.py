@@ -11,6 +11,7 @@ hundred bytes), and the same builders.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,10 +100,12 @@ def receiver_options(config: ConnectorConfig) -> ReceiverOptions:
     )
 
 
-def decode_settings(config: ConnectorConfig, local: RegionLayout | None = None) -> DecodeSettings:
-    """``local``: the layout of the worker's KV regions, which rules staging out when its blocks
-    are head-major (unknown: allocated whenever a prefill TP could need it)."""
-    staging = may_need_staging(config.topology(), local)
+def decode_settings(
+    config: ConnectorConfig, layouts: Sequence[RegionLayout] = ()
+) -> DecodeSettings:
+    """``layouts``: the worker's KV regions', which rule staging out when their blocks are
+    head-major (none: unknown, allocated whenever a prefill TP could need it)."""
+    staging = may_need_staging(config.topology(), layouts)
     return DecodeSettings(
         receiver=receiver_options(config),
         staging_bytes=config.staging_buffer_bytes if staging else 0,

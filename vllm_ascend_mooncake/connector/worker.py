@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.layout import (
@@ -26,6 +27,7 @@ from ..datapath.orders import StepOrders
 from ..datapath.pairing import pair_with_prefills, parse_endpoints
 from ..datapath.receiver import Receiver
 from ..datapath.registration import (
+    LayerHeads,
     cache_parts,
     regions_from_split_caches,
     regions_from_vllm_views,
@@ -42,6 +44,8 @@ from .attention_layers import (
     LayerGeometry,
     attention_geometry,
     check_planned_heads,
+    draft_layer_heads,
+    draft_layer_names,
     refuse_hybrid_layers,
     refuse_unsupported_parallelism,
 )
@@ -164,6 +168,10 @@ class ConnectorWorker:
         refuse_unsupported_parallelism(vllm_config.parallel_config)
         refuse_hybrid_layers(ordered, layers)
         model = vllm_config.model_config
+        drafts: set[str] = set()
+        if config.draft_kv_heads:  # past the target's layers, all on this rank (PP 1 only)
+            target_layers = model.get_num_layers(vllm_config.parallel_config)
+            drafts = draft_layer_names(ordered, layers, target_layers)
         geometry = attention_geometry(
             ordered,
             layers,
@@ -171,9 +179,12 @@ class ConnectorWorker:
                 model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size()
             ),
             is_mla=config.is_mla,
+            draft_layers=drafts,
         )
         topology = config.topology()
-        check_planned_heads(geometry, topology, config.is_producer, config.local.tp_size)
+        check_planned_heads(
+            geometry, topology, config.is_producer, config.local.tp_size, config.draft_kv_heads
+        )
         identity = model_identity(
             vllm_config,
             ordered,
@@ -182,7 +193,8 @@ class ConnectorWorker:
             head_size=geometry.head_size,
             is_mla=config.is_mla,
         )
-        memory = self._describe(ordered, identity, geometry)
+        layer_heads = draft_layer_heads(geometry, topology, config.draft_kv_heads)
+        memory = self._describe(ordered, identity, geometry, layer_heads)
         self._check_resolved_layout(memory.regions)
         self.transport = create_transport(
             config.transport,
@@ -207,9 +219,9 @@ class ConnectorWorker:
             )
             self.sender, metadata = side.sender, side.metadata
         else:
-            local = memory.regions[0].layout if memory.regions else None
+            layouts = [region.layout for region in memory.regions]
             self._decode = build_decode_side(
-                who, topology, self.transport, memory, decode_settings(config, local)
+                who, topology, self.transport, memory, decode_settings(config, layouts)
             )
             self.receiver, metadata = self._decode.receiver, self._decode.metadata
             endpoints = parse_endpoints(config.prefill_side_channels)
@@ -242,10 +254,15 @@ class ConnectorWorker:
         )
 
     def _describe(
-        self, ordered: dict[str, Any], identity: ModelIdentity, geometry: AttentionGeometry
+        self,
+        ordered: dict[str, Any],
+        identity: ModelIdentity,
+        geometry: AttentionGeometry,
+        layer_heads: Mapping[str, LayerHeads] | None = None,
     ) -> KVCacheMemory:
         """vLLM's KV caches (layer order) as registered tensors and described regions, each
-        layer checked against the head count and head size its attention layer allocated."""
+        layer checked against the head count and head size its attention layer allocated
+        (``layer_heads``: the draft layers of a head group of their own)."""
         config = self.config
         if any(isinstance(cache, (tuple, list)) for cache in ordered.values()):
             # vllm-ascend hands over (K, V) tensors per layer, or for MLA (nope, rope) -- or one
@@ -257,6 +274,7 @@ class ConnectorWorker:
                 head_size=geometry.head_size,
                 is_mla=config.is_mla,
                 head_major=vllm_compat.head_major_layout_requested(),
+                layer_heads=layer_heads,
             )
             return KVCacheMemory(
                 [t for cache in ordered.values() for t in cache_parts(cache)], regions
@@ -267,6 +285,7 @@ class ConnectorWorker:
             block_size=config.block_size,
             is_mla=config.is_mla,
             packing=_chunk_packing(identity, ordered),
+            layer_heads=layer_heads,
         )
         return KVCacheMemory(list(ordered.values()), regions)
 

@@ -17,7 +17,15 @@ from enum import Enum
 import numpy as np
 
 from .layout import BlockOrder, LayoutError, Region, RegionLayout, check_pairable, effective_order
-from .plan_types import PeerPlan, PlanError, PlanOptions, RequestPlan, SwapAxes, TransferBatch
+from .plan_types import (
+    PeerPlan,
+    PlanError,
+    PlanOptions,
+    RequestPlan,
+    RequestPulls,
+    SwapAxes,
+    TransferBatch,
+)
 from .staging import Staged, stage_batches, staging_share
 from .topology import HeadPull
 
@@ -111,7 +119,7 @@ def run_offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def check_region_tables(
-    pulls: Sequence[HeadPull],
+    request: RequestPulls,
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
     local_ids: np.ndarray,
@@ -119,20 +127,20 @@ def check_region_tables(
 ) -> None:
     """Refuse a request whose region tables or block ids cannot be planned: a prefill rank
     without a table, tables of different lengths, unpairable regions, ids out of range."""
-    for pull in pulls:
-        peer_regions = remote_regions.get(pull.prefill_rank)
+    for rank in request.prefill_ranks:
+        peer_regions = remote_regions.get(rank)
         if peer_regions is None:
-            raise PlanError(f"no region table for prefill rank {pull.prefill_rank}")
+            raise PlanError(f"no region table for prefill rank {rank}")
         if len(peer_regions) != len(local_regions):
             raise PlanError(
-                f"prefill rank {pull.prefill_rank} registered {len(peer_regions)} KV regions, "
+                f"prefill rank {rank} registered {len(peer_regions)} KV regions, "
                 f"the decode rank {len(local_regions)}: the two instances do not run the same model"
             )
     for i, region in enumerate(local_regions):
         check_block_ids(
             local_ids, region.layout.num_blocks, "decode", f"local region {region.name}"
         )
-        for pull in pulls:
+        for pull in request.by_region[i]:
             remote = remote_regions[pull.prefill_rank][i]
             check_pairable(region.layout, remote.layout, name=f"region {region.name}")
             check_block_ids(
@@ -152,29 +160,26 @@ def check_block_ids(ids: np.ndarray, num_blocks: int, side: str, region: str) ->
 
 
 def assemble_plan(
-    pulls: Sequence[HeadPull],
+    request: RequestPulls,
     per_peer: Mapping[int, PeerDescriptors],
     staged: Mapping[int, Sequence[Staged]],
     fixups: list[SwapAxes],
     options: PlanOptions,
 ) -> RequestPlan:
-    """The request's plan: per prefill peer its direct descriptors in capped batches, then its
-    staged reads (``staged``, by prefill rank). Peers are read in parallel, so each peer that
-    stages gets its own equal share of the staging area."""
-    peer_plans: list[PeerPlan] = []
-    for pull in pulls:
-        if pull.prefill_rank in (pp.prefill_rank for pp in peer_plans):
-            continue
-        batches = per_peer[pull.prefill_rank].batches(
-            options.max_descriptors_per_batch, options.max_descriptor_bytes
+    """The request's plan: per prefill peer (every rank the request reads, one whose regions
+    need nothing included: it must still be told) its direct descriptors in capped batches,
+    then its staged reads (``staged``, by prefill rank). Peers are read in parallel, so each
+    peer that stages gets its own equal share of the staging area."""
+    peer_plans = [
+        PeerPlan(
+            prefill_rank=rank,
+            pulls=request.of_rank(rank),
+            batches=per_peer[rank].batches(
+                options.max_descriptors_per_batch, options.max_descriptor_bytes
+            ),
         )
-        peer_plans.append(
-            PeerPlan(
-                prefill_rank=pull.prefill_rank,
-                pulls=tuple(p for p in pulls if p.prefill_rank == pull.prefill_rank),
-                batches=batches,
-            )
-        )
+        for rank in request.prefill_ranks
+    ]
     staging_peers = [pp for pp in peer_plans if staged.get(pp.prefill_rank)]
     for share, peer_plan in enumerate(staging_peers):
         area = staging_share(options.staging, share, len(staging_peers))

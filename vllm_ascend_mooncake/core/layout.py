@@ -126,6 +126,10 @@ class RegionLayout:
     (vllm-ascend: ``--block-size 256`` on a 128-token kernel; vLLM's ``kernel_block_sizes``):
     the engine's block ``b`` is then this region's blocks ``b * kernel_blocks`` to
     ``b * kernel_blocks + kernel_blocks - 1`` (:func:`kernel_block_ids`).
+
+    ``kv_heads`` names the head group the region belongs to: the total KV heads (across TP) of
+    its layer where that is not the model's (a draft layer's own count, see
+    :mod:`.topology`); 0: the model's. ``num_heads`` is what this rank holds of them.
     """
 
     block_order: BlockOrder
@@ -136,6 +140,7 @@ class RegionLayout:
     head_token_bytes: int
     packing: ChunkPacking = ()
     kernel_blocks: int = 1
+    kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -160,6 +165,8 @@ class RegionLayout:
                         f"chunk packing groups tokens by {group.token_unit}, which does not "
                         f"divide the block size {self.tokens_per_block}"
                     )
+        if self.kv_heads < 0:
+            raise LayoutError(f"region kv_heads must be >= 0, got {self.kv_heads}")
         if self.block_order is BlockOrder.LATENT and self.num_heads != 1:
             raise LayoutError(f"a latent (MLA) region has no head axis, got {self.num_heads} heads")
         if self.block_stride < self.block_len:
@@ -340,9 +347,7 @@ def describe_split_kv_tensor(
         _require(
             dim == head_size and (token_major_fits or head_major_fits),
             f"{name} does not hold {num_kv_heads} heads of size {head_size} per token in blocks "
-            f"that divide the engine block size {block_size}; a layer with a KV-head count of its "
-            f"own (an MTP or EAGLE draft layer) is not supported yet: serve P/D without "
-            f"speculative decoding",
+            f"that divide the engine block size {block_size}, as its attention layer says",
         )
         order_is_head_major = head_major_fits and (head_major or not token_major_fits)
         _require(byte_strides[3] == element_size, f"{name}: content is not contiguous")

@@ -49,18 +49,20 @@ from .plan_types import (
     PlanError,
     PlanOptions,
     RequestPlan,
+    RequestPulls,
     RowCopies,
     StagingArea,
     SwapAxes,
     TransferBatch,
 )
-from .topology import HeadPull, TransferTopology
+from .topology import TransferTopology
 
 __all__ = [
     "PeerPlan",
     "PlanError",
     "PlanOptions",
     "RequestPlan",
+    "RequestPulls",
     "RowCopies",
     "StagingArea",
     "SwapAxes",
@@ -88,23 +90,28 @@ def plan_request(
     """Plan every read decode rank ``decode_rank`` issues for one request.
 
     ``remote_regions`` maps each prefill rank the decode rank reads to its regions, in the same
-    order as ``local_regions`` (layer by layer, K before V where they are separate).
+    order as ``local_regions`` (layer by layer, K before V where they are separate). Each region
+    is read with its head group's pulls (:class:`RequestPulls`); the plan has one peer for every
+    prefill rank any group reads.
 
     ``num_tokens`` is the prompt length. Equal block sizes ignore it (decode blocks pair with the
     suffix of the prefill blocks); different block sizes (:func:`~.plan_tokens.align_tokens`)
     check the block counts against it, and need it when the prefill block is the larger one.
     """
     options = options or PlanOptions()
-    pulls = topology.pulls_for(decode_rank, seed)
-    if block_sizes_differ(local_regions, remote_regions, pulls):
+    request = RequestPulls.of(topology, decode_rank, seed, local_regions)
+    if block_sizes_differ(local_regions, remote_regions, request.prefill_ranks):
         planner = plan_mixed_block_sizes
     else:
         planner = plan_equal_block_sizes
     local_ids = _in_kernel_blocks(local_block_ids, local_regions, num_tokens, "decode")
     # every peer of a request is a rank of one prefill instance: its regions are cut alike
-    first_peer = remote_regions.get(pulls[0].prefill_rank, ()) if pulls else ()
+    ranks = request.prefill_ranks
+    first_peer = remote_regions.get(ranks[0], ()) if ranks else ()
     remote_ids = _in_kernel_blocks(remote_block_ids, first_peer, num_tokens, "prefill")
-    return planner(pulls, local_regions, remote_regions, local_ids, remote_ids, options, num_tokens)
+    return planner(
+        request, local_regions, remote_regions, local_ids, remote_ids, options, num_tokens
+    )
 
 
 def _in_kernel_blocks(
@@ -132,18 +139,28 @@ def _in_kernel_blocks(
 def request_needs_staging(
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
-    pulls: Sequence[HeadPull],
+    request: RequestPulls,
 ) -> bool:
     """Whether any (region, pull) of a request lands through staging (:func:`needs_staging`)."""
     return any(
         needs_staging(local.layout, remote_regions[pull.prefill_rank][i].layout, pull)
-        for pull in pulls
         for i, local in enumerate(local_regions)
+        for pull in request.by_region[i]
         if pull.prefill_rank in remote_regions and i < len(remote_regions[pull.prefill_rank])
     )
 
 
-def may_need_staging(topology: TransferTopology, local: RegionLayout | None = None) -> bool:
+def may_need_staging(topology: TransferTopology, layouts: Sequence[RegionLayout] = ()) -> bool:
+    """Whether any pull of this decode instance can need staging (:func:`needs_staging`), in
+    any of its head groups, each judged by the first of ``layouts`` (the worker's regions; none:
+    unknown) in that group (:func:`_group_may_need_staging`)."""
+    first: dict[TransferTopology, RegionLayout] = {}
+    for layout in layouts:
+        first.setdefault(topology.group(layout.kv_heads), layout)
+    return any(_group_may_need_staging(g, first.get(g)) for g in topology.head_groups)
+
+
+def _group_may_need_staging(topology: TransferTopology, local: RegionLayout | None) -> bool:
     """Whether any pull of this decode instance can need staging (:func:`needs_staging`),
     decided before any peer is known. A decode instance may be fed by prefill instances of any
     TP size and block size it can pair with, so:
@@ -165,11 +182,12 @@ def may_need_staging(topology: TransferTopology, local: RegionLayout | None = No
 def block_sizes_differ(
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
-    pulls: Sequence[HeadPull],
+    prefill_ranks: Sequence[int],
 ) -> bool:
-    """Whether any region pair of these pulls has different tokens per block on the two sides."""
-    for pull in pulls:
-        peer = remote_regions.get(pull.prefill_rank) or ()
+    """Whether any region pair with these prefill ranks has different tokens per block on the
+    two sides."""
+    for rank in prefill_ranks:
+        peer = remote_regions.get(rank) or ()
         for local, remote in zip(local_regions, peer, strict=False):
             if local.layout.tokens_per_block != remote.layout.tokens_per_block:
                 return True

@@ -22,7 +22,7 @@ from .descriptors import (
     run_offsets,
 )
 from .layout import BlockOrder, Region, RegionLayout, effective_order
-from .plan_types import PlanError, PlanOptions, RequestPlan, SwapAxes
+from .plan_types import PlanError, PlanOptions, RequestPlan, RequestPulls, SwapAxes
 from .staging import Staged, StagedRun
 from .topology import HeadPull
 
@@ -78,7 +78,7 @@ def align_block_ids(
 
 
 def plan_equal_block_sizes(
-    pulls: Sequence[HeadPull],
+    request: RequestPulls,
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
     local_block_ids: Sequence[int],
@@ -90,14 +90,15 @@ def plan_equal_block_sizes(
     length ``num_tokens`` is not needed: decode blocks pair with prefill's last blocks)."""
     local_ids, remote_ids = align_block_ids(local_block_ids, remote_block_ids)
     runs = BlockRuns.of(local_ids, remote_ids, coalesce=True)
-    num_pulls = len(pulls)
-    check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
+    check_region_tables(request, local_regions, remote_regions, local_ids, remote_ids)
 
-    per_peer = {pull.prefill_rank: PeerDescriptors() for pull in pulls}
+    per_peer = {rank: PeerDescriptors() for rank in request.prefill_ranks}
     staged: dict[int, list[Staged]] = {}
     fixups: list[SwapAxes] = []
 
     for i, local in enumerate(local_regions):
+        pulls = request.by_region[i]
+        num_pulls = len(pulls)
         peers = [remote_regions[p.prefill_rank][i] for p in pulls]
         kind = move_kind(local.layout, peers[0].layout, pulls[0])
         all_dense = local.layout.dense and all(r.layout.dense for r in peers)
@@ -128,7 +129,7 @@ def plan_equal_block_sizes(
                     per_peer[pull.prefill_rank], local, remote, runs.split_blocks(), pull
                 )
 
-    return assemble_plan(pulls, per_peer, staged, fixups, options)
+    return assemble_plan(request, per_peer, staged, fixups, options)
 
 
 def _add_whole_blocks(out: PeerDescriptors, local: Region, remote: Region, runs: BlockRuns) -> None:

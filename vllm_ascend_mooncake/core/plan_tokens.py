@@ -24,7 +24,7 @@ from .descriptors import (
     move_kind,
 )
 from .layout import BlockOrder, Region, RegionLayout, effective_order
-from .plan_types import PlanError, PlanOptions, RequestPlan, RowCopies, SwapAxes
+from .plan_types import PlanError, PlanOptions, RequestPlan, RequestPulls, RowCopies, SwapAxes
 from .staging import Staged, StagedRun
 from .topology import HeadPull
 
@@ -131,7 +131,7 @@ def _coalesce(
 
 
 def plan_mixed_block_sizes(
-    pulls: Sequence[HeadPull],
+    request: RequestPulls,
     local_regions: Sequence[Region],
     remote_regions: Mapping[int, Sequence[Region]],
     local_block_ids: Sequence[int],
@@ -159,11 +159,10 @@ def plan_mixed_block_sizes(
     """
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
     remote_ids = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    num_pulls = len(pulls)
-    check_region_tables(pulls, local_regions, remote_regions, local_ids, remote_ids)
+    check_region_tables(request, local_regions, remote_regions, local_ids, remote_ids)
     pieces_by_sizes: dict[tuple[int, int], TokenPieces] = {}
     for i, region in enumerate(local_regions):
-        for pull in pulls:
+        for pull in request.by_region[i]:
             remote = remote_regions[pull.prefill_rank][i]
             sizes = (region.layout.tokens_per_block, remote.layout.tokens_per_block)
             if sizes not in pieces_by_sizes:
@@ -175,7 +174,7 @@ def plan_mixed_block_sizes(
                     num_tokens=num_tokens,
                 )
 
-    per_peer = {pull.prefill_rank: PeerDescriptors() for pull in pulls}
+    per_peer = {rank: PeerDescriptors() for rank in request.prefill_ranks}
     staged: dict[int, list[Staged]] = {}
     fixups: list[SwapAxes] = []
 
@@ -185,6 +184,8 @@ def plan_mixed_block_sizes(
         per_peer[pull.prefill_rank].add(local, remote, length)
 
     for i, local in enumerate(local_regions):
+        pulls = request.by_region[i]
+        num_pulls = len(pulls)
         peers = [remote_regions[p.prefill_rank][i] for p in pulls]
         local_layout, remote_layout = local.layout, peers[0].layout
         pieces = pieces_by_sizes[(local_layout.tokens_per_block, remote_layout.tokens_per_block)]
@@ -249,7 +250,7 @@ def plan_mixed_block_sizes(
                             starts[rows == count], outer=num_pulls, inner=int(count), unit=unit
                         )
                     )
-    return assemble_plan(pulls, per_peer, staged, fixups, options)
+    return assemble_plan(request, per_peer, staged, fixups, options)
 
 
 def _merge_staged(runs: list[StagedRun], coalesce: bool) -> list[StagedRun]:

@@ -3,17 +3,43 @@ run locally, and the options and staging area a plan is made with."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 # Only constants: config.py does no I/O when imported and imports nothing of the data path.
 from ..defaults import DEFAULT_COALESCE_RUNS, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-from .topology import HeadPull
+from .layout import Region
+from .topology import HeadPull, TransferTopology
 
 
 class PlanError(ValueError):
     """The request cannot be planned (bad block ids, unpairable regions, missing staging)."""
+
+
+@dataclass(frozen=True)
+class RequestPulls:
+    """What one decode rank reads for one request: each local region's pulls (those of the
+    region's head group, :meth:`~.topology.TransferTopology.group`) and every prefill rank read,
+    each once, in the order of the groups' pulls. With one head group every region has the same
+    pulls."""
+
+    by_region: tuple[tuple[HeadPull, ...], ...]
+    prefill_ranks: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls, topology: TransferTopology, decode_rank: int, seed: int, regions: Sequence[Region]
+    ) -> RequestPulls:
+        pulls = {group: group.pulls_for(decode_rank, seed) for group in topology.head_groups}
+        by_region = (pulls[topology.group(region.layout.kv_heads)] for region in regions)
+        return cls(tuple(by_region), topology.prefill_ranks_for(decode_rank, seed))
+
+    def of_rank(self, prefill_rank: int) -> tuple[HeadPull, ...]:
+        """The distinct pulls that read ``prefill_rank``, over all regions."""
+        pulls = (p for region in self.by_region for p in region if p.prefill_rank == prefill_rank)
+        return tuple(dict.fromkeys(pulls))
 
 
 @dataclass(frozen=True)

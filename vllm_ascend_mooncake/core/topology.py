@@ -7,10 +7,15 @@ Heads are sharded the way vLLM shards them. With ``H`` KV heads and tensor-paral
   ``r // (T/H)``;
 * MLA: one latent cache replicated on every rank (treated as ``H = 1``).
 
+A model's layers may shard different head counts: a draft (EAGLE/MTP) layer may have a KV-head
+count of its own. Each count is a head group with its own sharding, so its own pulls; a region
+names its group (``RegionLayout.kv_heads``), and a decode rank reads, for a request, the union of
+the prefill ranks its groups' pulls name (:meth:`TransferTopology.prefill_ranks_for`).
+
 Prefill (TP ``Tp``) and decode (TP ``Td``) shard the same heads differently. Each decode rank
-assembles its heads from whole prefill "head groups" (the heads one prefill rank owns) when a
-prefill rank owns fewer heads than a decode rank, or reads a slice of one prefill group when it owns
-more. When a group is replicated on several prefill ranks, the replica is chosen from a seed derived
+assembles its heads from whole prefill "head slices" (the heads one prefill rank owns) when a
+prefill rank owns fewer heads than a decode rank, or reads part of one prefill slice when it owns
+more. When a slice is replicated on several prefill ranks, the replica is chosen from a seed derived
 from the request id, so that both sides compute the same choice independently and load spreads over
 the replicas.
 """
@@ -78,12 +83,15 @@ class TransferTopology:
         prefill_tp: tensor-parallel size of the prefill instance.
         decode_tp: tensor-parallel size of the decode instance.
         is_mla: the model uses an MLA latent cache (one replicated latent per rank).
+        extra_kv_heads: total KV heads of each further head group (a draft model's layers with
+            a KV-head count of their own); ignored for MLA, whose latents are one unit anyway.
     """
 
     num_kv_heads: int
     prefill_tp: int
     decode_tp: int
     is_mla: bool = False
+    extra_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 and not self.is_mla:
@@ -100,6 +108,44 @@ class TransferTopology:
                 f"{heads} KV heads: a prefill rank holds {hp} heads and a decode rank {hd}; "
                 f"neither count divides the other, so heads cannot be moved as whole slices"
             )
+        for extra in self.extra_kv_heads:
+            if self.is_mla:
+                break
+            try:
+                TransferTopology(extra, self.prefill_tp, self.decode_tp)
+            except TopologyError as exc:
+                raise TopologyError(
+                    f"the draft (EAGLE/MTP) layers' {extra} KV heads: {exc}"
+                ) from exc
+
+    @cached_property
+    def head_groups(self) -> tuple[TransferTopology, ...]:
+        """One single-group topology per distinct head count, the model's first (``self`` when
+        there is one group)."""
+        others = dict.fromkeys(h for h in self.extra_kv_heads if h != self.num_kv_heads)
+        if self.is_mla or not others:
+            return (self,)
+        main = TransferTopology(self.num_kv_heads, self.prefill_tp, self.decode_tp)
+        return (main, *(TransferTopology(h, self.prefill_tp, self.decode_tp) for h in others))
+
+    def group(self, kv_heads: int) -> TransferTopology:
+        """The head group of ``kv_heads`` total KV heads (0: the model's, as a region that names
+        no group of its own)."""
+        groups = self.head_groups
+        if kv_heads in (0, self.num_kv_heads) or self.is_mla:
+            return groups[0]
+        for group in groups[1:]:
+            if group.num_kv_heads == kv_heads:
+                return group
+        known = ", ".join(str(g.num_kv_heads) for g in groups)
+        raise TopologyError(
+            f"no head group of {kv_heads} KV heads: this instance plans groups of {known}"
+        )
+
+    @property
+    def replicates_on_prefill(self) -> bool:
+        """Some head group is replicated over the prefill ranks (TP larger than its heads)."""
+        return any(g.prefill_tp > g.heads for g in self.head_groups)
 
     @property
     def heads(self) -> int:
@@ -137,7 +183,7 @@ class TransferTopology:
         return range(head, head + 1)
 
     def _prefill_replicas(self, first_head: int) -> tuple[int, ...]:
-        """Prefill ranks owning the head group that starts at ``first_head`` (ascending)."""
+        """Prefill ranks owning the head slice that starts at ``first_head`` (ascending)."""
         return self._replicas_by_group[first_head]
 
     @cached_property
@@ -148,7 +194,7 @@ class TransferTopology:
         return {start: tuple(ranks) for start, ranks in groups.items()}
 
     def _group_readers(self, first_head: int) -> list[int]:
-        """Decode ranks that read from the prefill head group starting at ``first_head``."""
+        """Decode ranks that read from the prefill head slice starting at ``first_head``."""
         group = range(first_head, first_head + self.prefill_heads_per_rank)
         return [d for d in range(self.decode_tp) if _overlaps(self.decode_heads(d), group)]
 
@@ -181,11 +227,21 @@ class TransferTopology:
             )
         return tuple(pulls)
 
+    def prefill_ranks_for(self, decode_rank: int, seed: int) -> tuple[int, ...]:
+        """Every prefill rank decode rank ``decode_rank`` reads for a request, over all head
+        groups (in the order of the groups' pulls, each rank once)."""
+        ranks = (p.prefill_rank for g in self.head_groups for p in g.pulls_for(decode_rank, seed))
+        return tuple(dict.fromkeys(ranks))
+
     def readers_of(self, prefill_rank: int, seed: int) -> tuple[int, ...]:
-        """Decode ranks that will read prefill rank ``prefill_rank`` for a request (ascending).
+        """Decode ranks that will read prefill rank ``prefill_rank`` for a request, over all
+        head groups (ascending).
 
         A prefill rank that nobody reads can report the request finished at once.
         """
+        if len(self.head_groups) > 1:
+            readers = {d for g in self.head_groups for d in g.readers_of(prefill_rank, seed)}
+            return tuple(sorted(readers))
         group_start = self.prefill_heads(prefill_rank).start
         return tuple(
             d
@@ -196,12 +252,19 @@ class TransferTopology:
     def describe(self) -> str:
         """One line for logs: sizes, heads per rank and the pull count."""
         kind = "MLA latent" if self.is_mla else f"{self.num_kv_heads} KV heads"
-        return (
+        text = (
             f"prefill TP {self.prefill_tp} -> decode TP {self.decode_tp} ({kind}): "
             f"{self.prefill_heads_per_rank} head(s) per prefill rank, "
             f"{self.decode_heads_per_rank} per decode rank, "
             f"{self.pulls_per_decode_rank} pull(s) per decode rank"
         )
+        for g in self.head_groups[1:]:
+            text += (
+                f"; draft layers' {g.num_kv_heads} KV heads: {g.prefill_heads_per_rank} per "
+                f"prefill rank, {g.decode_heads_per_rank} per decode rank, "
+                f"{g.pulls_per_decode_rank} pull(s)"
+            )
+        return text
 
 
 #: The largest remote TP size a peer may name: bounds what a peer can make an instance build.
@@ -243,6 +306,7 @@ class Topologies:
             remote_tp if self._local_is_decode else c.prefill_tp,
             c.decode_tp if self._local_is_decode else remote_tp,
             is_mla=c.is_mla,
+            extra_kv_heads=c.extra_kv_heads,
         )
         self._by_remote_tp[remote_tp] = topology  # a dict store: safe across threads
         return topology

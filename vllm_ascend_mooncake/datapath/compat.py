@@ -6,8 +6,8 @@ named with both values, so an operator sees which flag to change; nothing is sil
 
 from __future__ import annotations
 
-from ..core.layout import LayoutError, check_pairable
-from ..core.topology import TransferTopology
+from ..core.layout import LayoutError, Region, check_pairable
+from ..core.topology import TopologyError, TransferTopology
 from .wire import WorkerMetadata
 
 #: Identity fields that name things for messages but need not match. Block sizes may differ
@@ -82,8 +82,6 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
         )
     if problems:
         raise IncompatiblePeerError(f"{peer} is incompatible: " + "; ".join(problems))
-    expected_remote = topology.prefill_heads_per_rank
-    expected_local = topology.decode_heads_per_rank
     for local_region, remote_region in zip(local.to_regions(), remote.to_regions(), strict=True):
         if local_region.name != remote_region.name:
             raise IncompatiblePeerError(
@@ -94,12 +92,35 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
             check_pairable(local_region.layout, remote_region.layout, name=local_region.name)
         except LayoutError as exc:
             raise IncompatiblePeerError(f"{peer} is incompatible: {exc}") from exc
-        if not topology.is_mla and (
-            remote_region.layout.num_heads != expected_remote
-            or local_region.layout.num_heads != expected_local
-        ):
-            raise IncompatiblePeerError(
-                f"{peer} is incompatible: region {local_region.name} holds "
-                f"{remote_region.layout.num_heads} heads on prefill and "
-                f"{local_region.layout.num_heads} on decode, but {topology.describe()}"
-            )
+        if topology.is_mla:
+            continue
+        _check_region_heads(peer, local_region, remote_region, topology)
+
+
+def _check_region_heads(
+    peer: str, local_region: Region, remote_region: Region, topology: TransferTopology
+) -> None:
+    """A region pair must belong to one head group, and each side hold what that group's
+    sharding gives it (a draft layer's own head count included)."""
+    try:
+        group = topology.group(local_region.layout.kv_heads)
+        remote_group = topology.group(remote_region.layout.kv_heads)
+    except TopologyError as exc:
+        raise IncompatiblePeerError(
+            f"{peer} is incompatible: region {local_region.name}: {exc}"
+        ) from exc
+    if remote_group is not group:
+        raise IncompatiblePeerError(
+            f"{peer} is incompatible: region {local_region.name}'s layer has "
+            f"{remote_group.num_kv_heads} KV heads on prefill and {group.num_kv_heads} on "
+            f"decode: the two instances run different (draft) models"
+        )
+    if (
+        remote_region.layout.num_heads != group.prefill_heads_per_rank
+        or local_region.layout.num_heads != group.decode_heads_per_rank
+    ):
+        raise IncompatiblePeerError(
+            f"{peer} is incompatible: region {local_region.name} holds "
+            f"{remote_region.layout.num_heads} heads on prefill and "
+            f"{local_region.layout.num_heads} on decode, but {group.describe()}"
+        )

@@ -38,6 +38,7 @@ from ..core.plan import (
     PeerPlan,
     PlanOptions,
     RequestPlan,
+    RequestPulls,
     StagingArea,
     TransferBatch,
     plan_request,
@@ -163,11 +164,12 @@ class _InFlight:
 
 @dataclass(frozen=True)
 class _Lookup:
-    """What a request reads: its topology, seed, head pulls, and each prefill rank's regions."""
+    """What a request reads: its topology, seed, each region's head pulls, and each prefill
+    rank's regions."""
 
     topology: TransferTopology
     seed: int
-    pulls: Sequence
+    pulls: RequestPulls
     remote_tables: dict[int, Sequence[Region]]
 
 
@@ -450,14 +452,13 @@ class Receiver:
         failure later releases exactly those)."""
         seed = request_seed(pull.transfer_id)
         topology = self._topology_of(pull)
-        pulls = topology.pulls_for(self._rank, seed)
+        pulls = RequestPulls.of(topology, self._rank, seed, self._local_regions)
         remote_tables: dict[int, Sequence[Region]] = {}
         # An early pull is bound by its unique transfer id; the engine id it carries may predate
         # a prefill restart (the proxy learns the new one from the answer that follows).
         engine_id = None if pull.early else pull.remote_engine_id
         refused: IncompatiblePeerError | None = None
-        for head_pull in pulls:
-            rank = head_pull.prefill_rank
+        for rank in pulls.prefill_ranks:
             port = pull.remote_port + rank
             try:
                 prefill = self._peers.get(pull.remote_host, port, engine_id)

@@ -26,12 +26,14 @@ vllm-ascend's MLA layout, as read in the vllm-ascend sources at commit ``182b75e
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..core.layout import (
     ChunkPacking,
     LayoutError,
     Region,
+    RegionLayout,
     describe_latent_tensor,
     describe_split_kv_tensor,
     describe_vllm_layer_view,
@@ -42,6 +44,21 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True)
+class LayerHeads:
+    """A layer whose head group is not the model's (a draft layer with a KV-head count of its
+    own): the heads it holds on this rank, and its group's total KV heads (what its regions'
+    ``kv_heads`` name)."""
+
+    num_kv_heads: int
+    group_kv_heads: int
+
+
+def _in_group(layout: RegionLayout, own: LayerHeads | None) -> RegionLayout:
+    """``layout`` naming its layer's head group (unchanged for the model's layers)."""
+    return layout if own is None else replace(layout, kv_heads=own.group_kv_heads)
+
+
 def regions_from_vllm_views(
     kv_caches: Mapping[str, torch.Tensor],
     *,
@@ -49,9 +66,11 @@ def regions_from_vllm_views(
     block_size: int,
     is_mla: bool,
     packing: ChunkPacking = (),
+    layer_heads: Mapping[str, LayerHeads] | None = None,
 ) -> list[Region]:
     """One region per layer view ``[num_blocks, H, N, C]``, in the order vLLM gave them;
-    ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`).
+    ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`);
+    ``layer_heads``: the layers of a head group of their own (else ``num_kv_heads``).
 
     vLLM 0.23 hands other shapes, read in its sources (not run: its CPU wheel pins a torch that
     cannot be installed here): CUDA backends a 5-D ``(num_blocks, 2, N, H, D)`` per layer (K and
@@ -60,6 +79,8 @@ def regions_from_vllm_views(
     Their chunks' packing is unknown (equal block sizes only)."""
     regions = []
     for name, view in kv_caches.items():
+        own = (layer_heads or {}).get(name)
+        heads = own.num_kv_heads if own is not None else num_kv_heads
         if view.dim() == 5 and view.shape[1] == 2 and not is_mla:
             for suffix, half in (("k", view[:, 0]), ("v", view[:, 1])):
                 heads_first = half.permute(0, 2, 1, 3)  # [blocks, H, N, D], strides kept
@@ -67,10 +88,12 @@ def regions_from_vllm_views(
                     heads_first.shape,
                     heads_first.stride(),
                     view.element_size(),
-                    num_kv_heads=num_kv_heads,
+                    num_kv_heads=heads,
                     block_size=block_size,
                 )
-                regions.append(Region(f"{name}.{suffix}", heads_first.data_ptr(), layout))
+                regions.append(
+                    Region(f"{name}.{suffix}", heads_first.data_ptr(), _in_group(layout, own))
+                )
             continue
         if is_mla and view.dim() == 3:
             layout = describe_latent_tensor(
@@ -78,16 +101,19 @@ def regions_from_vllm_views(
             )
             regions.append(Region(name, view.data_ptr(), layout))
             continue
-        layout = describe_vllm_layer_view(
-            view.shape,
-            view.stride(),
-            view.element_size(),
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            is_mla=is_mla,
-            packing=packing,
-        )
-        regions.append(Region(name, view.data_ptr(), layout))
+        try:
+            layout = describe_vllm_layer_view(
+                view.shape,
+                view.stride(),
+                view.element_size(),
+                num_kv_heads=heads,
+                block_size=block_size,
+                is_mla=is_mla,
+                packing=packing,
+            )
+        except LayoutError as exc:
+            raise LayoutError(f"layer {name}: {exc}") from exc
+        regions.append(Region(name, view.data_ptr(), _in_group(layout, own)))
     return regions
 
 
@@ -99,8 +125,10 @@ def regions_from_split_caches(
     head_size: int,
     is_mla: bool,
     head_major: bool = False,
+    layer_heads: Mapping[str, LayerHeads] | None = None,
 ) -> list[Region]:
-    """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order.
+    """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order
+    (``layer_heads``: the layers of a head group of their own, else ``num_kv_heads``).
 
     With ``is_mla`` every tensor of a layer's tuple is one :attr:`~..core.layout.BlockOrder.LATENT`
     region, replicated on every rank and described from its own shape (widths may differ): a pair is
@@ -116,11 +144,13 @@ def regions_from_split_caches(
         if is_mla:
             regions.extend(_latent_regions(name, parts, block_size))
         else:
+            own = (layer_heads or {}).get(name)
             regions.extend(
-                _kv_regions(
+                Region(r.name, r.base, _in_group(r.layout, own))
+                for r in _kv_regions(
                     name,
                     parts,
-                    num_kv_heads=num_kv_heads,
+                    num_kv_heads=own.num_kv_heads if own is not None else num_kv_heads,
                     block_size=block_size,
                     head_size=head_size,
                     head_major=head_major,

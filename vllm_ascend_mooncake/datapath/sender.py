@@ -27,9 +27,9 @@ vLLM tells the connector nothing), within the same bound, and free one nobody le
 Decode instances of any TP size this prefill can pair with may read it: the readers a transfer
 waits for are those of the configured ``decode.tp_size`` until the first claim or notice for it
 names another size, and then those of that size; a later message naming a third size is
-refused. Only a prefill that replicates KV heads (TP larger than the head count) serves its
-configured decode TP alone: which replicas are read depends on the decode TP, and the unread ones
-were released when the request was held.
+refused. Only a prefill that replicates KV heads (TP larger than the head count of any head
+group) serves its configured decode TP alone: which replicas are read depends on the decode TP,
+and the unread ones were released when the request was held.
 
 Before vLLM's sleep mode discards the KV cache, the tracker is suspended: claims are refused,
 holds nobody has a lease on are released at once, and :meth:`SendTracker.suspend` waits for the
@@ -201,7 +201,7 @@ class SendTracker:
         this rank cannot serve that size."""
         if decode_tp < 0 or decode_tp == self._topology.decode_tp:
             return self._topology
-        if self._topology.prefill_tp > self._topology.heads:
+        if self._topology.replicates_on_prefill:
             return None  # replicated heads: see the module docstring
         try:
             return self._topologies.with_remote_tp(decode_tp)
@@ -222,9 +222,10 @@ class SendTracker:
             )
         topology = self._reader_topology(decode_tp)
         if topology is None:
-            replicated = self._topology.prefill_tp > self._topology.heads
+            replicated = self._topology.replicates_on_prefill
+            heads = " and ".join(str(g.heads) for g in self._topology.head_groups)
             why = (
-                f"this prefill instance replicates its {self._topology.heads} KV heads over TP "
+                f"this prefill instance replicates its {heads} KV heads over TP "
                 f"{self._topology.prefill_tp} and serves only decode TP "
                 f"{self._topology.decode_tp} (kv_connector_extra_config's decode.tp_size)"
                 if replicated

@@ -74,6 +74,9 @@ class RegionInfo(msgspec.Struct, frozen=True):
     #: the tensor's (kernel) blocks per engine block; added without a protocol bump: a peer
     #: that does not send it has one kernel block per engine block, as every release before.
     kernel_blocks: Size = 1
+    #: the region's head group, its layer's total KV heads (0: the model's); added without a
+    #: protocol bump: a peer that does not send it has every layer in the model's group.
+    kv_heads: Size = 0
 
     @classmethod
     def of(cls, region: Region) -> RegionInfo:
@@ -89,6 +92,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
             head_token_bytes=layout.head_token_bytes,
             packing=[(g.rows, g.token_bytes, g.token_unit) for g in layout.packing],
             kernel_blocks=layout.kernel_blocks,
+            kv_heads=layout.kv_heads,
         )
 
     def to_region(self) -> Region:
@@ -108,6 +112,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
                 head_token_bytes=self.head_token_bytes,
                 packing=tuple(RowGroup(*group) for group in self.packing),
                 kernel_blocks=self.kernel_blocks,
+                kv_heads=self.kv_heads,
             )
         except LayoutError as exc:
             raise WireError(f"peer region {self.name} is not a valid layout: {exc}") from exc

@@ -194,14 +194,17 @@ class ReferencePrompt:
         heads: Sequence[int],
         block_ids: Sequence[int],
         first_block: int = 0,
+        first_region: int = 0,
     ) -> None:
         """Write the tokens a side holds into ``memory``, token by token.
 
         ``block_ids[i]`` is the side's ``first_block + i``-th block of the prompt, holding tokens
         ``(first_block + i) * B + s`` at slot ``s``. Slots past the reference's last token keep
-        their bytes. ``layouts[i]`` holds reference region ``i`` with the given global heads.
+        their bytes. ``layouts[i]`` holds reference region ``first_region + i`` with the given
+        global heads.
         """
-        for region, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+        for i, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+            region = first_region + i
             size = layout.tokens_per_block
             for i, block in enumerate(block_ids):
                 first = (first_block + i) * size

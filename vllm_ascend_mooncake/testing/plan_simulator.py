@@ -1,6 +1,10 @@
 """One simulator for the planner's tests: fill prefill memories from a reference prompt, plan a
 pull, execute the plan on numpy memories and compare every decode byte.
 
+A case may give the model's layers and a draft model's layers different total KV heads
+(``draft_heads``): the draft layers' regions are then a head group of their own, sharded and
+pulled by their own count, placed among the model's regions.
+
 The expected decode bytes come from :class:`~.kv_reference.ReferencePrompt`: token ``t`` of the
 prompt sits in a side's ``t // B``-th block of the request at slot ``t % B``, whatever the other
 side's block size, so equal and different block sizes are checked by the same rule. Decode slots
@@ -10,10 +14,11 @@ memory, padding and other blocks included; prefill's memories are never written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..core.layout import RegionLayout
 from ..core.plan import PlanOptions, RequestPlan, StagingArea, plan_request
 from ..core.topology import TransferTopology
 from .kv_reference import (
@@ -70,10 +75,30 @@ class PullCase:
     max_descriptor_bytes: int = 0
     staging_blocks: int = 64  # prefill blocks of staging per prefill rank read in parallel
     seed: int = 0
+    # total KV heads of draft layers with a head group of their own (0: none), how many such
+    # layers, and after how many of the model's layers they come
+    draft_heads: int = 0
+    draft_layers: int = 1
+    draft_position: int = 0
 
     @property
     def is_mla(self) -> bool:
         return self.kind == "latent"
+
+    def topology(self) -> TransferTopology:
+        extra = (self.draft_heads,) if self.draft_heads else ()
+        return TransferTopology(
+            self.heads, self.prefill_tp, self.decode_tp, is_mla=self.is_mla, extra_kv_heads=extra
+        )
+
+    def region_groups(self) -> list[int]:
+        """Each region's head group, its total KV heads (0: the model's), in region order."""
+        per_layer = len(region_layouts(self.kind, 1, 1, 1, 1, 1, 0))
+        model = [0] * (self.num_layers * per_layer)
+        if not self.draft_heads:
+            return model
+        at = min(self.draft_position, self.num_layers) * per_layer
+        return model[:at] + [self.draft_heads] * (self.draft_layers * per_layer) + model[at:]
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,57 +125,71 @@ def simulate_pull(case: PullCase, decode_rank: int) -> RequestPlan:
     """Plan ``case`` for ``decode_rank``, execute it, and check every byte on both sides.
 
     Planner refusals (``PlanError``, ``LayoutError``) propagate to the caller."""
-    topology = TransferTopology(case.heads, case.prefill_tp, case.decode_tp, is_mla=case.is_mla)
-    num_heads = 1 if case.is_mla else case.heads
-    num_regions = len(region_layouts(case.kind, case.num_layers, 1, 1, 1, 1, 0))
+    topology = case.topology()
+    groups = case.region_groups()
+    num_regions = len(groups)
     remote_total = case.remote_blocks or max(case.remote_ids, default=-1) + 1
     local_total = case.local_blocks or max(case.local_ids, default=-1) + 1
     rng = np.random.default_rng(case.seed)
     reference = ReferencePrompt.random(
         num_regions,
         len(case.remote_ids) * case.prefill_block,
-        num_heads,
+        1 if case.is_mla else max(case.heads, case.draft_heads),
         case.head_token_bytes,
         seed=case.seed + 7,
     )
 
-    def layouts_of(heads: int, block: int, total: int, pad: int):
-        return region_layouts(
-            case.kind,
-            case.num_layers,
-            heads,
-            block,
-            case.head_token_bytes,
-            total,
-            pad,
-            case.flip_single_head,
-            case.token_unit,
-        )
+    def heads_of(group: int, tp: int, rank: int) -> list[int]:
+        return owned_heads(group or case.heads, tp, rank, case.is_mla)
+
+    def layouts_of(tp: int, rank: int, block: int, total: int, pad: int) -> list[RegionLayout]:
+        """One layout per region, each holding what its head group gives rank ``rank``."""
+        return [
+            replace(
+                region_layouts(
+                    case.kind,
+                    1,
+                    len(heads_of(group, tp, rank)),
+                    block,
+                    case.head_token_bytes,
+                    total,
+                    pad,
+                    case.flip_single_head,
+                    case.token_unit,
+                )[0],
+                kv_heads=group,
+            )
+            for group in groups
+        ]
+
+    def place(memory, layouts, offsets, tp: int, rank: int, ids, first_block: int = 0) -> None:
+        for i, (layout, offset) in enumerate(zip(layouts, offsets, strict=True)):
+            heads = heads_of(groups[i], tp, rank)
+            reference.place(memory, [layout], [offset], heads, ids, first_block, first_region=i)
 
     remote_spaces, remote_tables, snapshots = {}, {}, {}
+    largest_prefill_block = 0
     for p in range(case.prefill_tp):
-        heads = owned_heads(num_heads, case.prefill_tp, p, case.is_mla)
-        layouts = layouts_of(len(heads), case.prefill_block, remote_total, case.prefill_pad)
+        layouts = layouts_of(case.prefill_tp, p, case.prefill_block, remote_total, case.prefill_pad)
+        largest_prefill_block = max([largest_prefill_block] + [x.block_len for x in layouts])
         base = (p + 1) * GiB
         memory = rng.integers(0, 256, table_bytes(layouts), dtype=np.uint8)
         regions, offsets = region_table(f"p{p}.", base, layouts)
-        reference.place(memory, layouts, offsets, heads, case.remote_ids)
+        place(memory, layouts, offsets, case.prefill_tp, p, case.remote_ids)
         space = AddressSpace()
         space.add(base, memory)
         remote_spaces[p], remote_tables[p], snapshots[p] = space, regions, memory.copy()
 
-    my_heads = owned_heads(num_heads, case.decode_tp, decode_rank, case.is_mla)
-    local_layouts = layouts_of(len(my_heads), case.decode_block, local_total, case.decode_pad)
+    local_layouts = layouts_of(
+        case.decode_tp, decode_rank, case.decode_block, local_total, case.decode_pad
+    )
     local_memory = rng.integers(0, 256, table_bytes(local_layouts), dtype=np.uint8)
     expected = local_memory.copy()
     local_regions, local_offsets = region_table("d.", LOCAL_BASE, local_layouts)
     local_space = AddressSpace()
     local_space.add(LOCAL_BASE, local_memory)
     # Prefill ranks read in parallel share the staging buffer.
-    parallel_reads = len({pull.prefill_rank for pull in topology.pulls_for(decode_rank, case.seed)})
-    largest_prefill_block = max(
-        len(owned_heads(num_heads, case.prefill_tp, p, case.is_mla)) for p in range(case.prefill_tp)
-    ) * (case.prefill_block * case.head_token_bytes)
+    parallel_reads = len(topology.prefill_ranks_for(decode_rank, case.seed))
     staging_capacity = case.staging_blocks * parallel_reads * largest_prefill_block
     local_space.add(STAGING_BASE, np.zeros(staging_capacity, dtype=np.uint8))
 
@@ -173,11 +212,12 @@ def simulate_pull(case: PullCase, decode_rank: int) -> RequestPlan:
     )
     execute_plan(plan, local_space, remote_spaces)
 
-    reference.place(
+    place(
         expected,
         local_layouts,
         local_offsets,
-        my_heads,
+        case.decode_tp,
+        decode_rank,
         case.local_ids,
         first_block=case.cached_blocks,
     )
