@@ -154,6 +154,40 @@ def test_a_dropped_transfer_is_refused_at_once_and_never_reported() -> None:
     assert t.take_finished() == set()
 
 
+def test_a_router_drop_before_the_hold_frees_the_hold_the_moment_it_comes() -> None:
+    """The router has prefill's answer (its client then leaves) one engine step before this
+    worker registers the hold: the drop used to find nothing, be forgotten, and leave the
+    blocks held until the release timeout (a clean-clone CI run's blocks not freed within 30 s).
+    It is remembered; the hold, when it comes, is freed at once, and a parked claim is told
+    the client left."""
+    t, clock, _ = tracker()
+    changed: list = []
+    t.on_change = changed.append
+    assert t.claim("t", 0).status == "pending"  # overlapped legs: decode claimed first
+    dropped = t.drop_unread("t")
+    assert dropped.status == "refused" and "before it was held" in dropped.reason
+    assert changed == ["t"]  # the parked claim is answered now
+    assert t.claim("t", 0).status == "dropped"
+    assert t.dropped("t")
+    t.hold("t", request_id="vllm-1", block_ids=(1,), num_prompt_tokens=10)
+    assert t.take_finished() == {"vllm-1"}  # freed at once, not at its deadline
+    assert t.claim("t", 1).status == "dropped"
+    clock.now += 100.0
+    assert t.take_finished() == set() and t.num_expired == 0
+
+
+def test_a_router_drop_of_a_held_unleased_transfer_frees_it_and_a_leased_one_waits() -> None:
+    t, _, _ = tracker()
+    t.hold("free", request_id="vllm-1")
+    assert t.drop_unread("free").reason.startswith("freed:")
+    assert t.take_finished() == {"vllm-1"}
+    assert t.drop_unread("free").reason == "it is not held"  # said twice: nothing more
+    t.hold("leased", request_id="vllm-2")
+    assert t.claim("leased", 0, reader="decode-worker").status == "granted"
+    assert t.drop_unread("leased").status == "held"
+    assert t.take_finished() == set()
+
+
 def test_a_reused_transfer_id_frees_the_second_request_at_once() -> None:
     t, _, _ = tracker()
     t.hold("t", request_id="vllm-1", block_ids=(1,), num_prompt_tokens=10)

@@ -163,7 +163,11 @@ class SendTracker:
             held = self._held.get(transfer_id)
             owner = held.request_id if held is not None else None
             if transfer_id in self._released:
-                owner = self._released[transfer_id][0]
+                owner, _, why = self._released[transfer_id]
+                if not owner:  # dropped before vLLM finished it: nobody will read it
+                    logger.debug("request %s is not held: %s", request_id, why)
+                    self._release(transfer_id, request_id, why)
+                    return
             if owner is not None:
                 if owner != request_id:
                     # A reused transfer id: decode could not tell the two apart, so nobody
@@ -354,18 +358,28 @@ class SendTracker:
 
     def drop_unread(self, transfer_id: str) -> ClaimReply:
         """Free ``transfer_id`` now unless a decode rank leased it (a router's client left, so
-        nobody will read it); a leased one waits for its reader's notice."""
+        nobody will read it); a leased one waits for its reader's notice. A transfer not held
+        yet (the router got prefill's answer before this worker's next step registered the
+        hold) is remembered as dropped, so the hold is freed the moment it comes and a claim
+        is told why, instead of the blocks waiting out the release timeout."""
         with self._lock:
             held = self._held.get(transfer_id)
-            if held is None:
-                return ClaimReply("refused", reason="it is not held")
-            if held.lessees:
+            if held is not None and held.lessees:
                 return ClaimReply("held", reason="a decode rank holds a lease on it")
-            del self._held[transfer_id]
-            self._release(transfer_id, held.request_id, _DROPPED)
-        if self.on_change is not None:
+            if held is not None:
+                del self._held[transfer_id]
+                self._release(transfer_id, held.request_id, _DROPPED)
+                reason = f"freed: {_DROPPED}"
+            elif transfer_id in self._released:
+                return ClaimReply("refused", reason="it is not held")
+            else:
+                self._early.pop(transfer_id, None)
+                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+                self._released[transfer_id] = ("", forget, _DROPPED)
+                reason = f"freed before it was held: {_DROPPED}"
+        if self.on_change is not None:  # a claim parked for it is answered now
             self.on_change(transfer_id)
-        return ClaimReply("refused", reason=f"freed: {_DROPPED}")
+        return ClaimReply("refused", reason=reason)
 
     def read_done(
         self,
