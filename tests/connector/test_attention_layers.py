@@ -94,6 +94,38 @@ def test_draft_layers_with_their_own_head_count_are_a_group_of_their_own() -> No
     assert draft_layer_heads(same, plain, draft_kv_heads=4) == {}
 
 
+def test_draft_layers_with_their_own_head_size_are_described_with_it() -> None:
+    """An EAGLE draft of head size 128 beside a model of 64: of its own head group (1 of 2 KV
+    heads) or of the model's (2 of 4), its layers are described with their own head size."""
+    found = layers(**{"model.layers.0.attn": (2, 64), "model.layers.1.attn": (1, 128)})
+    geometry = attention_geometry(
+        found, found, default=CONFIG, is_mla=False, draft_layers={"model.layers.1.attn"}
+    )
+    assert geometry == AttentionGeometry(
+        2, 64, DraftLayers(frozenset({"model.layers.1.attn"}), 1, head_size=128)
+    )
+    topology = TransferTopology(num_kv_heads=4, prefill_tp=2, decode_tp=2, extra_kv_heads=(2,))
+    assert draft_layer_heads(geometry, topology, draft_kv_heads=2) == {
+        "model.layers.1.attn": LayerHeads(num_kv_heads=1, group_kv_heads=2, head_size=128)
+    }
+    found = layers(**{"model.layers.0.attn": (2, 64), "model.layers.1.attn": (2, 128)})
+    same_heads = attention_geometry(
+        found, found, default=CONFIG, is_mla=False, draft_layers={"model.layers.1.attn"}
+    )
+    plain = TransferTopology(num_kv_heads=4, prefill_tp=2, decode_tp=2, extra_kv_heads=(4,))
+    assert draft_layer_heads(same_heads, plain, draft_kv_heads=4) == {
+        "model.layers.1.attn": LayerHeads(num_kv_heads=2, group_kv_heads=4, head_size=128)
+    }
+
+
+def test_model_layers_of_different_head_sizes_are_refused_naming_them() -> None:
+    found = layers(a=(2, 64), b=(2, 128))
+    with pytest.raises(
+        LayoutError, match=r"the model's attention layers.*head sizes.*a: 64, b: 128"
+    ):
+        attention_geometry(found, found, default=CONFIG, is_mla=False)
+
+
 def test_a_draft_layer_contradicting_its_groups_total_is_refused_naming_it() -> None:
     """The draft config's 2 KV heads over TP 1 give 2 per rank; a draft layer holding 1
     (a config that does not describe the draft's attention) is refused, naming it."""

@@ -63,6 +63,28 @@ def test_a_draft_layer_of_its_own_head_group_is_described_with_its_heads() -> No
         worker(False, 2, 64, 32, wrong)._describe(views, identity)
 
 
+def test_a_draft_layer_of_its_own_head_size_is_described_with_its_own_packing() -> None:
+    """An EAGLE layer of head size 64 (view width 128) after model layers of head size 32
+    (width 64), both of the vec kernel: each region carries the packing of its own head size,
+    so blocks of every layer can be cut by token; a draft of the model's head count shares its
+    group (``kv_heads`` 0) and differs in head size only."""
+    views = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(3, 2, 32, 64, dtype=torch.float32)
+        for i in range(2)
+    }
+    views["model.layers.2.self_attn.attn"] = torch.zeros(3, 2, 32, 128, dtype=torch.float32)
+    identity = ModelIdentity("tiny", "float32", "auto", 32, 32, 4, 3, False, "CPU_ATTN/vec")
+    draft = {
+        "model.layers.2.self_attn.attn": LayerHeads(num_kv_heads=2, group_kv_heads=4, head_size=64)
+    }
+    memory = worker(False, 2, 32, 32, draft)._describe(views, identity)
+    packings = [r.layout.packing for r in memory.regions]
+    assert packings == [chunk_packing("CPU_ATTN/vec", "auto", 32, 4)] * 2 + [
+        chunk_packing("CPU_ATTN/vec", "auto", 64, 4)
+    ]
+    assert packings[0] != packings[2] and all(packings)
+
+
 def test_the_worker_describes_tuple_caches_with_the_configs_mla_flag() -> None:
     """``ConnectorWorker._describe`` hands vllm-ascend's tuples over with ``config.is_mla``."""
 

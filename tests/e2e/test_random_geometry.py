@@ -6,7 +6,11 @@ A draw (:mod:`vllm_ascend_mooncake.testing.geometry_draw`) is a tiny Llama, Qwen
 decode TP sizes up to 4 and each side's block size (mixed where vLLM CPU's packing is known). The
 deployment serves prompts of drawn lengths through ``vam-proxy``, then again through a client
 that speaks vLLM's example-proxy protocol, and a negative control proves decode continues the
-pulled KV, not its own recompute. The reference is decode's own colocated answer to the same
+pulled KV, not its own recompute. A Llama draw may serve an EAGLE draft model beside it (its
+layers of their own KV heads and head size): a greedy answer is the model's whatever the draft
+proposes, so decode's first pull is compared with prefill's KV byte for byte, every layer's,
+where both sides' blocks are equal in size (``kv_probe.py``), and decode must have drafted.
+The reference is decode's own colocated answer to the same
 prompt asked a second time (its prefix cache then serves all but the last token, the path decode
 takes after a pull; a cache salt keeps those blocks apart from P/D's): equal token for token in
 float32, within ``BF16_DRAW_BOUND`` in bfloat16 (measured: colocated instances of a draw's
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from kv_probe import assert_first_pull_byte_exact, probed_engines
 from pd_checks import (
     ID_MAX_TOKENS,
     assert_clean_transfers,
@@ -69,6 +74,8 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
     draw = geometry_draw
     print(f"[random geometry] {draw} (rerun: --geometry-seed {draw.seed})")
     model = str(build_tiny_model(draw.model_spec()))
+    draft = draw.draft_spec()
+    probed = probed_engines(str(build_tiny_model(draft))) if draft is not None else {}
     spec = DeploymentSpec(
         model=model,
         prefill_tp=draw.prefill_tp,
@@ -78,6 +85,7 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
         prefill_block_size=draw.prefill_block_size,
         max_model_len=MAX_MODEL_LEN,
         log_dir=str(tmp_path),
+        **probed,
     )
     exact = draw.dtype == "float32"
     bound = BF16_DRAW_BOUND
@@ -101,6 +109,22 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
         prompts = [text[:n] for n in draw.prompt_lengths()]
         x = prompts[-1]
         y = negative_control_prompt(x)
+        probes = 0
+        if draft is not None and draw.prefill_block_size == draw.decode_block_size:
+            # decode's first request ever: its blocks are known (kv_probe.py)
+            params = hand_off(pd.prefill.base_url, name, x, cache_salt="probe")
+            complete_ids(decode, name, x, kv_transfer_params=params, cache_salt="probe")
+            draft_layers = [f"model.layers.{draw.num_layers}.self_attn.attn"]
+            layers = assert_first_pull_byte_exact(
+                pd.prefill.base_url,
+                decode,
+                params,
+                len(x),
+                draw.decode_block_size,
+                lambda layer: draft.num_kv_heads if layer in draft_layers else draw.num_kv_heads,
+            )
+            assert set(draft_layers) < set(layers), layers
+            probes = 1
 
         def colocated(prompt: list[int], max_tokens: int = ID_MAX_TOKENS) -> dict:
             """Decode's own answer, the second time (prefix-cached where vLLM caches)."""
@@ -136,7 +160,9 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
             kv_transfer_params=params,
             cache_salt="negative-control",
         )
-        assert_clean_transfers(pd, requests=2 * len(prompts) + 1)
+        if draft is not None:
+            assert metric(decode, "vllm:spec_decode_num_draft_tokens_total") > 0, "no drafts"
+        assert_clean_transfers(pd, requests=2 * len(prompts) + 1 + probes)
     assert reference[tuple(x)]["tokens"] != reference[tuple(y)]["tokens"], "X and Y answer alike"
     assert decoded["tokens"] != reference[tuple(x)]["tokens"], "decode recomputed prompt X"
     if exact:

@@ -60,6 +60,18 @@ def check_servable(draw: GeometryDraw) -> None:
         assert draw.config_head_dim != draw.head_dim and draw.hidden_size is None
         assert spec.config(1, 2, 0)["head_dim"] == draw.config_head_dim
         assert spec.hidden == draw.num_attention_heads * draw.head_dim
+    draft = draw.draft_spec()
+    if draft is not None:  # an EAGLE draft of the Llama target, shardable on both sides
+        assert draw.architecture == "llama" and draw.draft_kv_heads in KV_HEADS
+        assert draw.draft_head_dim in HEAD_DIMS and draft.head_dim == draw.draft_head_dim
+        assert draft.hidden == spec.hidden and draft.dtype == spec.dtype
+        assert draft.num_attention_heads % draft.num_kv_heads == 0
+        assert draft.hidden % draft.num_attention_heads == 0
+        for tp in (draw.prefill_tp, draw.decode_tp):
+            assert draft.num_kv_heads % tp == 0 or tp % draft.num_kv_heads == 0
+            assert draft.num_attention_heads % tp == 0
+    else:
+        assert draw.draft_kv_heads is None and draw.draft_head_dim is None
     if draw.hidden_size is not None:  # honoured by vLLM's Llama
         assert draw.architecture == "llama" and draw.config_head_dim is None
         assert draw.hidden_size != draw.num_attention_heads * draw.head_dim
@@ -91,6 +103,10 @@ def test_the_draws_cover_every_value_of_every_axis() -> None:
     llama = [d for d in grouped if d.architecture == "llama"]
     assert {d.config_head_dim for d in qwen2} == {None, *CONFIG_HEAD_DIMS}
     assert {d.hidden_size is None for d in llama} == {True, False}
+    # EAGLE drafts of every KV-head count and head size beside Llama draws without one
+    assert {d.draft_kv_heads for d in llama} == {None, *KV_HEADS}
+    assert {d.draft_head_dim for d in llama} == {None, *HEAD_DIMS}
+    assert {d.draft_kv_heads is None for d in draws if d.architecture != "llama"} == {True}
 
 
 def test_run_seeds_reproduce_one_or_draw_fresh_ones(monkeypatch) -> None:

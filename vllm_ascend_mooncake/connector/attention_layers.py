@@ -32,17 +32,19 @@ class LayerGeometry:
 
 @dataclass(frozen=True)
 class DraftLayers:
-    """The draft (EAGLE/MTP) model's attention layers, by name, and the KV heads each holds on
-    this rank: a head group of their own when the draft's total differs from the model's."""
+    """The draft (EAGLE/MTP) model's attention layers, by name, the KV heads each holds on this
+    rank (a head group of their own when the draft's total differs from the model's) and their
+    head size (the draft's own; None: the model's)."""
 
     names: frozenset[str]
     num_kv_heads: int
+    head_size: int | None = None
 
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """Every layer's geometry: the head size they all share, the heads the model's layers hold
-    on this rank, and the draft model's layers (None: there are none)."""
+    """Every layer's geometry: the model's layers' head size and the heads they hold on this
+    rank, and the draft model's layers (None: there are none)."""
 
     num_kv_heads: int
     head_size: int
@@ -97,9 +99,9 @@ def attention_geometry(
 ) -> AttentionGeometry:
     """The head count and head size of the KV caches' layers, as their attention layers
     allocated them (``default``, the model config's, where a layer does not say). The model's
-    layers must agree on the head count, and so must the draft model's (``draft_layers``), a
-    head group of their own; every layer must have one head size. Layers that disagree are
-    refused, naming them. An MLA latent has one head."""
+    layers must agree on the head count and head size, and so must the draft model's
+    (``draft_layers``), a head group of their own, whose head size may differ from the model's.
+    Layers that disagree are refused, naming them. An MLA latent has one head."""
     found: dict[tuple[bool, LayerGeometry], str] = {}
     unsaid = []
     for name in kv_caches:
@@ -121,25 +123,18 @@ def attention_geometry(
     if not found:
         return AttentionGeometry(default.num_kv_heads, default.head_size)
     for is_draft in (False, True):
-        heads = {g.num_kv_heads for (d, g) in found if d == is_draft}
-        if len(heads) > 1:
-            described = ", ".join(
-                f"{name}: {g.num_kv_heads}" for (d, g), name in found.items() if d == is_draft
-            )
-            raise LayoutError(
-                f"the {'draft' if is_draft else 'model'}'s attention layers hold different "
-                f"numbers of KV heads on this rank ({described}): one head group per model is "
-                f"planned (a draft layer is one vLLM's speculative decoding added, numbered past "
-                f"the model's layers); serve P/D without speculative decoding"
-            )
-    sizes = {g.head_size for (_, g) in found}
-    if len(sizes) > 1:
-        described = ", ".join(f"{name}: {g.head_size}" for (_, g), name in found.items())
-        raise LayoutError(
-            f"the model's attention layers differ in head size ({described}): one transfer "
-            f"plan cannot describe them all yet; serve P/D without speculative decoding, or "
-            f"with a draft model of the target's head size"
-        )
+        for what, value in (("numbers of KV heads", _heads), ("head sizes", _size)):
+            values = {value(g) for (d, g) in found if d == is_draft}
+            if len(values) > 1:
+                described = ", ".join(
+                    f"{name}: {value(g)}" for (d, g), name in found.items() if d == is_draft
+                )
+                raise LayoutError(
+                    f"the {'draft' if is_draft else 'model'}'s attention layers hold different "
+                    f"{what} on this rank ({described}): one geometry per model is planned (a "
+                    f"draft layer is one vLLM's speculative decoding added, numbered past the "
+                    f"model's layers); serve P/D without speculative decoding"
+                )
     by_kind = {d: (g, name) for (d, g), name in found.items()}
     geometry, name = by_kind[False] if False in by_kind else by_kind[True]
     if geometry != default and not is_mla:
@@ -155,8 +150,20 @@ def attention_geometry(
     draft = None
     if True in by_kind and not is_mla:
         draft_names = frozenset(n for n in kv_caches if n in draft_layers)
-        draft = DraftLayers(draft_names, by_kind[True][0].num_kv_heads)
+        draft_geometry = by_kind[True][0]
+        own_size = (
+            draft_geometry.head_size if draft_geometry.head_size != geometry.head_size else None
+        )
+        draft = DraftLayers(draft_names, draft_geometry.num_kv_heads, own_size)
     return AttentionGeometry(geometry.num_kv_heads, geometry.head_size, draft)
+
+
+def _heads(geometry: LayerGeometry) -> int:
+    return geometry.num_kv_heads
+
+
+def _size(geometry: LayerGeometry) -> int:
+    return geometry.head_size
 
 
 def check_planned_heads(
@@ -199,13 +206,18 @@ def check_planned_heads(
 def draft_layer_heads(
     geometry: AttentionGeometry, topology: TransferTopology, draft_kv_heads: int
 ) -> dict[str, LayerHeads]:
-    """The draft layers that form a head group of their own (the draft's total KV heads differ
-    from the model's), by name: what their regions are described and planned with. Empty when
-    there are none or they share the model's group."""
+    """The draft layers whose geometry is not the model's, by name: a head group of their own
+    (the draft's total KV heads differ from the model's) or a head size of their own; what
+    their regions are described and planned with. Empty when there are none or they are
+    shaped like the model's layers."""
     draft = geometry.draft
-    if draft is None or topology.group(draft_kv_heads) is topology.head_groups[0]:
+    if draft is None:
         return {}
-    heads = LayerHeads(draft.num_kv_heads, draft_kv_heads)
+    own_group = topology.group(draft_kv_heads) is not topology.head_groups[0]
+    if not own_group and draft.head_size is None:
+        return {}
+    total = draft_kv_heads if own_group else topology.num_kv_heads
+    heads = LayerHeads(draft.num_kv_heads, total, draft.head_size)
     return {name: heads for name in sorted(draft.names)}
 
 

@@ -74,20 +74,24 @@ ASLEEP = (
 )
 
 
-def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacking:
+def _chunk_packing(
+    identity: ModelIdentity, views: Mapping[str, Any], head_size: int | None = None
+) -> ChunkPacking:
     """The backend's head-major chunk packing (:mod:`..core.packing`), when it accounts for every
     byte of these views' (block, head) chunks; otherwise unknown (with a warning: only different
     block sizes on prefill and decode are then refused, equal ones are unaffected).
 
     The bytes a chunk holds per token come from each view's shape *and* strides
     (:func:`..core.layout.head_chunk_token_bytes`), every view alike, never from its last
-    dimension alone: a chunk is whatever one head's contiguous bytes in a block are."""
+    dimension alone: a chunk is whatever one head's contiguous bytes in a block are.
+    ``head_size``: the views' layers' own (a draft model's), else the model's."""
     if not views or identity.is_mla:
         return ()
+    head_size = head_size or identity.head_size
     first = next(iter(views.values()))
     element_size = first.element_size()
     packing = chunk_packing(
-        identity.attention_backend, identity.kv_cache_dtype, identity.head_size, element_size
+        identity.attention_backend, identity.kv_cache_dtype, head_size, element_size
     )
     if not packing:
         return ()
@@ -116,7 +120,7 @@ def _chunk_packing(identity: ModelIdentity, views: dict[str, Any]) -> ChunkPacki
         "and token in views of shape %s, strides %s, %s (%d-token blocks); treating its blocks "
         "as unsplittable (prefill and decode then need equal --block-size)",
         identity.attention_backend,
-        identity.head_size,
+        head_size,
         element_size,
         identity.kv_cache_dtype,
         packing_text(packing),
@@ -279,13 +283,25 @@ class ConnectorWorker:
             return KVCacheMemory(
                 [t for cache in ordered.values() for t in cache_parts(cache)], regions
             )
+        # Draft layers with a head size of their own have a chunk packing of their own.
+        by_size: dict[int | None, dict[str, Any]] = {}
+        for name, view in ordered.items():
+            own = (layer_heads or {}).get(name)
+            by_size.setdefault(own.head_size if own else None, {})[name] = view
+        layer_packing = {
+            name: _chunk_packing(identity, views, size)
+            for size, views in by_size.items()
+            if size is not None
+            for name in views
+        }
         regions = regions_from_vllm_views(
             ordered,
             num_kv_heads=geometry.num_kv_heads,
             block_size=config.block_size,
             is_mla=config.is_mla,
-            packing=_chunk_packing(identity, ordered),
+            packing=_chunk_packing(identity, by_size.get(None, {})),
             layer_heads=layer_heads,
+            layer_packing=layer_packing,
         )
         return KVCacheMemory(list(ordered.values()), regions)
 

@@ -46,12 +46,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LayerHeads:
-    """A layer whose head group is not the model's (a draft layer with a KV-head count of its
-    own): the heads it holds on this rank, and its group's total KV heads (what its regions'
-    ``kv_heads`` name)."""
+    """A layer shaped unlike the model's (a draft layer with a KV-head count or a head size of
+    its own): the heads it holds on this rank, its group's total KV heads (what its regions'
+    ``kv_heads`` name), and its head size (None: the model's)."""
 
     num_kv_heads: int
     group_kv_heads: int
+    head_size: int | None = None
 
 
 def _in_group(layout: RegionLayout, own: LayerHeads | None) -> RegionLayout:
@@ -67,10 +68,12 @@ def regions_from_vllm_views(
     is_mla: bool,
     packing: ChunkPacking = (),
     layer_heads: Mapping[str, LayerHeads] | None = None,
+    layer_packing: Mapping[str, ChunkPacking] | None = None,
 ) -> list[Region]:
     """One region per layer view ``[num_blocks, H, N, C]``, in the order vLLM gave them;
     ``packing``: the attention backend's head-major chunk packing (:mod:`..core.packing`);
-    ``layer_heads``: the layers of a head group of their own (else ``num_kv_heads``).
+    ``layer_heads``: the layers of a head group of their own (else ``num_kv_heads``);
+    ``layer_packing``: the packing of layers with a head size of their own (else ``packing``).
 
     vLLM 0.23 hands other shapes, read in its sources (not run: its CPU wheel pins a torch that
     cannot be installed here): CUDA backends a 5-D ``(num_blocks, 2, N, H, D)`` per layer (K and
@@ -109,7 +112,7 @@ def regions_from_vllm_views(
                 num_kv_heads=heads,
                 block_size=block_size,
                 is_mla=is_mla,
-                packing=packing,
+                packing=(layer_packing or {}).get(name, packing),
             )
         except LayoutError as exc:
             raise LayoutError(f"layer {name}: {exc}") from exc
@@ -128,7 +131,8 @@ def regions_from_split_caches(
     layer_heads: Mapping[str, LayerHeads] | None = None,
 ) -> list[Region]:
     """Regions for vllm-ascend's per-layer tuples of cache tensors, in layer order
-    (``layer_heads``: the layers of a head group of their own, else ``num_kv_heads``).
+    (``layer_heads``: the layers of a head group or head size of their own, else
+    ``num_kv_heads`` and ``head_size``).
 
     With ``is_mla`` every tensor of a layer's tuple is one :attr:`~..core.layout.BlockOrder.LATENT`
     region, replicated on every rank and described from its own shape (widths may differ): a pair is
@@ -152,7 +156,7 @@ def regions_from_split_caches(
                     parts,
                     num_kv_heads=own.num_kv_heads if own is not None else num_kv_heads,
                     block_size=block_size,
-                    head_size=head_size,
+                    head_size=own.head_size if own is not None and own.head_size else head_size,
                     head_major=head_major,
                 )
             )

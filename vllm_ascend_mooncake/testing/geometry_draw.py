@@ -17,6 +17,11 @@ machine:
   Llama whose ``hidden_size`` is not ``heads x head_dim`` (vLLM honours its ``head_dim``). These
   are drawn from a second generator of the seed, so the other axes of a printed seed keep
   their meaning;
+* an EAGLE draft model beside a Llama target, half the time (issue #44): its own KV heads (any
+  vLLM can shard at both TP sizes and whose attention heads split the model's hidden size, the
+  model's count included) and head size, so that the
+  engines' KV caches end with a layer of another head group or head size; drawn from a third
+  generator of the seed;
 * block sizes 32, 64 or 128 per side, mixed (vLLM CPU's chunk packing is known, so blocks are cut
   by token). MLA models are bfloat16 (vLLM CPU's MLA backends need it) with DeepSeek-V2's real
   latent (576 elements) and block size 32 on both sides: vLLM CPU's MLA backends take no other
@@ -33,6 +38,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from vllm_ascend_mooncake.launch.tiny_draft_model import TinyEagleDraftSpec
 from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
 
@@ -84,6 +90,9 @@ class GeometryDraw:
     hidden_size: int | None = None
     #: Qwen2: the head_dim its config states and its attention ignores (None: none stated)
     config_head_dim: int | None = None
+    #: Llama: an EAGLE draft model's total KV heads and head size (None: no draft model)
+    draft_kv_heads: int | None = None
+    draft_head_dim: int | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -112,6 +121,22 @@ class GeometryDraw:
             seed=weights_seed,
         )
 
+    def draft_spec(self) -> TinyEagleDraftSpec | None:
+        """The EAGLE draft model to serve beside the model (None: none), seeded by the draw."""
+        if self.draft_kv_heads is None or self.draft_head_dim is None:
+            return None
+        model = self.model_spec()
+        assert isinstance(model, TinyModelSpec)
+        return TinyEagleDraftSpec.for_target(
+            model,
+            num_attention_heads=_attention_heads(
+                self.draft_kv_heads, self.prefill_tp, self.decode_tp
+            ),
+            num_kv_heads=self.draft_kv_heads,
+            head_dim=self.draft_head_dim,
+            seed=(self.seed + 1) % 2**31,
+        )
+
     def prompt_lengths(self) -> list[int]:
         """A short prompt, one whose last token starts a new block of the larger size (the pull
         then covers whole blocks only) and a long one spanning many blocks, from the seed."""
@@ -125,6 +150,8 @@ class GeometryDraw:
             heads += f"-hidden{self.hidden_size}"
         if self.config_head_dim is not None:
             heads += f"-cfgd{self.config_head_dim}"
+        if self.draft_kv_heads is not None:
+            heads += f"-eagle-kv{self.draft_kv_heads}-d{self.draft_head_dim}"
         return (
             f"seed{self.seed}-{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}"
             f"-{heads}-{self.dtype}-tp{self.prefill_tp}to{self.decode_tp}"
@@ -186,7 +213,27 @@ def draw_geometry(seed: int) -> GeometryDraw:
         prefill_block_size=rng.choice(BLOCK_SIZES),
         decode_block_size=rng.choice(BLOCK_SIZES),
     )
-    return _with_disagreeing_config(draw)
+    return _with_draft(_with_disagreeing_config(draw))
+
+
+def _with_draft(draw: GeometryDraw) -> GeometryDraw:
+    """Half the Llama draws get an EAGLE draft model (see the module docstring), from a
+    generator of its own."""
+    rng = random.Random(f"draft-{draw.seed}")
+    if draw.architecture != "llama" or rng.random() < 0.5:
+        return draw
+    hidden = draw.model_spec().hidden
+    kv_heads = rng.choice(
+        [
+            n
+            for n in KV_HEADS
+            if shardable(n, draw.prefill_tp)
+            and shardable(n, draw.decode_tp)
+            # transformers' config check: the hidden size splits over the attention heads
+            and hidden % _attention_heads(n, draw.prefill_tp, draw.decode_tp) == 0
+        ]
+    )
+    return dataclasses.replace(draw, draft_kv_heads=kv_heads, draft_head_dim=rng.choice(HEAD_DIMS))
 
 
 def _with_disagreeing_config(draw: GeometryDraw) -> GeometryDraw:
