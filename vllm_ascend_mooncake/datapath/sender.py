@@ -1,5 +1,9 @@
 """Prefill side: hold each request's blocks until every decode rank that reads them is done.
 
+This module is the state (holds, leases, releases) and every method that changes it; the
+side-channel service that answers decode workers and routers with it is
+:mod:`.prefill_service` (its table lists each message, the method answering it and its thread).
+
 The topology tells this rank which decode ranks will read it for a request (possibly none: then the
 request is finished at once). Decode ranks claim a lease before reading; a lease keeps a busy but
 live decode from being cut off, and a request whose blocks were already released is refused, so a
@@ -39,31 +43,18 @@ hands to other requests. Transfers released then stay refused after :meth:`SendT
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..core.relayout import LocalMemory
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
 from ..log import get_logger
-from . import verify
-from .side_channel import Deferred, Park, SideChannelServer
-from .wire import (
-    Ack,
-    ClaimRead,
-    ClaimReply,
-    DropHold,
-    ErrorReply,
-    GetMetadata,
-    KeepHold,
-    Message,
-    ReadDone,
-    VerifyRead,
-    WorkerMetadata,
-)
+from .prefill_service import MAX_CLAIM_PARK_S, PrefillSender
+from .wire import ClaimReply
+
+__all__ = ["MAX_CLAIM_PARK_S", "MAX_HOLD_TIMEOUTS", "PrefillSender", "SendTracker"]
 
 logger = get_logger(__name__)
 
@@ -76,8 +67,6 @@ MAX_HOLD_TIMEOUTS = 4
 #: Read-done notices for requests this rank does not hold yet that are remembered at most: a
 #: flood of notices for made-up ids cannot grow memory past this (the rest are ignored).
 MAX_EARLY_NOTICES = 1 << 16
-#: The longest a pending claim is held open before it is answered "pending" anyway.
-MAX_CLAIM_PARK_S = 5.0
 #: Why a transfer went, as a later claim or renewal is told (with the others at their release).
 _DROPPED = "the router freed it: its client left, so the decode request was aborted"
 _EXPIRED = "its release timeout passed before every decode rank had read it"
@@ -511,112 +500,3 @@ class SendTracker:
     def num_held(self) -> int:
         with self._lock:
             return len(self._held)
-
-
-class PrefillSender:
-    """A prefill worker's side-channel service: metadata, read leases, read-done bookkeeping."""
-
-    def __init__(
-        self,
-        metadata: WorkerMetadata,
-        tracker: SendTracker,
-        host: str,
-        port: int,
-        secret: bytes | None = None,
-        memory: LocalMemory | None = None,
-    ) -> None:
-        self.metadata = metadata
-        self.tracker = tracker
-        #: the registered KV memory, which integrity checks read (None: they are refused)
-        self._memory = memory
-        self._server = SideChannelServer(
-            host, port, self._handle, name=f"vam-sender-{port}", secret=secret
-        )
-        tracker.on_change = self._server.wake
-
-    def _stale(self, incarnation: str) -> ErrorReply | None:
-        if incarnation == self.metadata.incarnation:
-            return None
-        return ErrorReply(
-            f"addressed to incarnation {incarnation} but this worker is "
-            f"{self.metadata.incarnation} (it restarted; its KV is gone)"
-        )
-
-    def _handle(self, message: Message) -> Message | Park | Deferred:
-        if isinstance(message, GetMetadata):
-            return self.metadata
-        if isinstance(message, ClaimRead):
-            stale = self._stale(message.incarnation)
-            if stale is not None:
-                return stale
-            reply = self.tracker.claim(
-                message.request_id,
-                message.decode_rank,
-                message.num_prompt_tokens,
-                message.decode_tp,
-                message.reader,
-            )
-            if reply.status == "pending" and message.wait_s > 0:
-                # Answer when prefill registers the request (a hold wakes the server), not later.
-                wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
-                return Park(time.monotonic() + wait_s, reply, key=message.request_id)
-            return reply
-        if isinstance(message, KeepHold):
-            return self.tracker.keep(message.request_id)
-        if isinstance(message, DropHold):
-            return self.tracker.drop_unread(message.request_id)
-        if isinstance(message, VerifyRead):
-            # A checksum of a batch's GBs takes seconds: off this thread, or every claim and
-            # read-done notice to this worker would wait behind it (issue #43 item a).
-            return Deferred(lambda: self._verify(message))
-        if isinstance(message, ReadDone):
-            stale = self._stale(message.incarnation)
-            if stale is not None:
-                return stale
-            if not message.success:
-                # a claim that raced its client's leaving: nothing wrong with either side
-                raced = self.tracker.dropped(message.request_id)
-                logger.log(
-                    logging.INFO if raced else logging.WARNING,
-                    "decode rank %d failed to read request %s: %s",
-                    message.decode_rank,
-                    message.request_id,
-                    message.reason,
-                )
-            if not self.tracker.read_done(
-                message.request_id,
-                message.decode_rank,
-                message.success,
-                message.reader,
-                message.decode_tp,
-            ):
-                logger.warning(
-                    "ignored a read-done notice for request %s, decode rank %d (TP %d), from a "
-                    "reader the lease was not granted to or of another decode TP",
-                    message.request_id,
-                    message.decode_rank,
-                    message.decode_tp,
-                )
-                return ErrorReply(
-                    "this read lease was granted to another reader, or another decode TP reads it"
-                )
-            return Ack()
-        return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
-
-    def _verify(self, message: VerifyRead) -> Message:
-        """The checksum ``message`` asks for (on the server's worker pool): the lease is looked
-        up when the work starts, not when the question arrived."""
-        blocks = self.tracker.leased_blocks(message.request_id, message.decode_rank, message.reader)
-        reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
-        return ErrorReply(reply) if isinstance(reply, str) else reply
-
-    def suspend(self, reason: str) -> None:
-        """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release
-        timeout for reads under way (see :meth:`SendTracker.suspend`)."""
-        self.tracker.suspend(reason, self.tracker.lease_s)
-
-    def resume(self) -> None:
-        self.tracker.resume()
-
-    def close(self) -> None:
-        self._server.close()
