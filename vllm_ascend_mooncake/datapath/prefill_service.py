@@ -157,7 +157,7 @@ class PrefillSender:
 
     def suspend(self, reason: str) -> None:
         """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release
-        timeout for reads under way (see :meth:`SendTracker.suspend`)."""
+        timeout for reads under way (see :meth:`.sender.SendTracker.suspend`)."""
         self.tracker.suspend(reason, self.tracker.lease_s)
 
     def resume(self) -> None:
