@@ -1,8 +1,10 @@
 """Prefill side: hold each request's blocks until every decode rank that reads them is done.
 
-This module is the state (holds, leases, releases) and every method that changes it; the
-side-channel service that answers decode workers and routers with it is
-:mod:`.prefill_service` (its table lists each message, the method answering it and its thread).
+This module is the state (holds, leases, releases) and every method that changes it, under one
+lock; a held transfer's record (:class:`~.holds.Hold`) and which decode ranks read it, per decode
+TP (:class:`~.holds.ReaderTopologies`), are in :mod:`.holds`. The side-channel service that
+answers decode workers and routers with this state is :mod:`.prefill_service` (its table lists
+each message, the method answering it and its thread).
 
 The topology tells this rank which decode ranks will read it for a request (possibly none: then the
 request is finished at once). Decode ranks claim a lease before reading; a lease keeps a busy but
@@ -47,10 +49,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
+from ..core.topology import TransferTopology
 from ..log import get_logger
+from .holds import Hold, ReaderTopologies
 from .prefill_service import MAX_CLAIM_PARK_S, PrefillSender
 from .wire import ClaimReply
 
@@ -73,21 +75,6 @@ _EXPIRED = "its release timeout passed before every decode rank had read it"
 _ASLEEP = "released for vLLM's sleep mode"
 
 
-@dataclass
-class _Held:
-    request_id: str
-    readers_left: set[int]
-    deadline: float
-    block_ids: tuple[int, ...] = ()
-    num_prompt_tokens: int = -1
-    failed_readers: set[int] = field(default_factory=set)
-    hold_ends: float = float("inf")  # the latest deadline any lease may extend to
-    #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
-    lessees: dict[int, str] = field(default_factory=dict)
-    #: the TP size of the decode instance reading it, once a claim or notice named it
-    decode_tp: int | None = None
-
-
 class SendTracker:
     """Thread-safe bookkeeping of requests whose blocks this prefill rank holds."""
 
@@ -99,13 +86,12 @@ class SendTracker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topology = topology
-        self._topologies = Topologies(topology, local_is_decode=False)
-        self._rank = rank
+        self._readers = ReaderTopologies(topology, rank)
         self._timeout = release_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # a request may be finished now
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, Hold] = {}
         # transfer id -> (decode ranks that sent a notice, forget after, their decode TP or -1)
         # Both remember entries in the order they were added, which is their order of expiry
         # (each is forgotten a fixed time after it was added): expiring looks at the oldest only.
@@ -173,13 +159,13 @@ class SendTracker:
                 self._release(transfer_id, request_id, _ASLEEP)
                 return
             early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
-            topology = self._reader_topology(early_tp) or self._topology
-            readers = set(topology.readers_of(self._rank, request_seed(transfer_id))) - early
+            topology = self._readers.for_tp(early_tp) or self._topology
+            readers = self._readers.readers(topology, transfer_id) - early
             if not readers:
                 self._release(transfer_id, request_id, "every decode rank that reads it was done")
                 return
             now = self._clock()
-            self._held[transfer_id] = _Held(
+            self._held[transfer_id] = Hold(
                 request_id,
                 readers,
                 now + self._timeout,
@@ -188,49 +174,6 @@ class SendTracker:
                 hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
                 decode_tp=topology.decode_tp if early_tp >= 0 else None,
             )
-
-    def _reader_topology(self, decode_tp: int) -> TransferTopology | None:
-        """The topology for readers of TP ``decode_tp`` (< 0: the configured one); None when
-        this rank cannot serve that size."""
-        if decode_tp < 0 or decode_tp == self._topology.decode_tp:
-            return self._topology
-        if self._topology.replicates_on_prefill:
-            return None  # replicated heads: see the module docstring
-        try:
-            return self._topologies.with_remote_tp(decode_tp)
-        except TopologyError:
-            return None
-
-    def _learn_decode_tp(self, held: _Held, transfer_id: str, decode_tp: int) -> str | None:
-        """Bind ``held`` to the decode TP its readers run (caller holds the lock); the reason
-        to refuse when that cannot be. The readers switch to that size's before any spoke."""
-        if decode_tp < 0:
-            decode_tp = self._topology.decode_tp
-        if held.decode_tp is not None:
-            if held.decode_tp == decode_tp:
-                return None
-            return (
-                f"a decode instance of TP {held.decode_tp} reads this transfer already, this "
-                f"reader runs TP {decode_tp}"
-            )
-        topology = self._reader_topology(decode_tp)
-        if topology is None:
-            replicated = self._topology.replicates_on_prefill
-            heads = " and ".join(str(g.heads) for g in self._topology.head_groups)
-            why = (
-                f"this prefill instance replicates its {heads} KV heads over TP "
-                f"{self._topology.prefill_tp} and serves only decode TP "
-                f"{self._topology.decode_tp} (kv_connector_extra_config's decode.tp_size)"
-                if replicated
-                else f"prefill TP {self._topology.prefill_tp} cannot pair with it"
-            )
-            return f"the decode instance runs TP {decode_tp}: {why}"
-        if topology is not self._topology:
-            held.readers_left = set(
-                topology.readers_of(self._rank, request_seed(transfer_id))
-            ) - set(held.lessees)
-        held.decode_tp = decode_tp
-        return None
 
     def drop(self, transfer_id: str) -> None:
         """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
@@ -273,7 +216,7 @@ class SendTracker:
                 return ClaimReply(
                     "refused", reason=f"decode rank {decode_rank}'s lease is held by another reader"
                 )
-            refusal = self._learn_decode_tp(held, transfer_id, decode_tp)
+            refusal = self._readers.bind(held, transfer_id, decode_tp)
             if refusal is not None:
                 if held.decode_tp is None:  # nobody else reads it: free it now
                     del self._held[transfer_id]
@@ -384,7 +327,7 @@ class SendTracker:
             held = self._held.get(transfer_id)
             if held is not None and held.lessees.get(decode_rank, reader) != reader:
                 return False
-            if held is not None and self._learn_decode_tp(held, transfer_id, decode_tp):
+            if held is not None and self._readers.bind(held, transfer_id, decode_tp):
                 return False
             if held is None:
                 if transfer_id in self._released:
