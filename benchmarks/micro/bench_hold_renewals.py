@@ -20,7 +20,8 @@ import time
 
 from benchmarks.common import add_json_arg, make_parser, write_json
 from vllm_ascend_mooncake.core.topology import TransferTopology
-from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
+from vllm_ascend_mooncake.datapath.prefill_service import PrefillSender
+from vllm_ascend_mooncake.datapath.sender import SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.defaults import DEFAULT_RELEASE_TIMEOUT_S
 from vllm_ascend_mooncake.launch.ports import free_port_range

@@ -22,9 +22,10 @@ from ..core.topology import TransferTopology
 from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeTransport
 from ..datapath.pairing import PairingProbes
 from ..datapath.peers import PeerDirectory
+from ..datapath.prefill_service import PrefillSender
 from ..datapath.receiver import Receiver, ReceiverOptions
 from ..datapath.registration import kv_memory_ranges
-from ..datapath.sender import PrefillSender, SendTracker
+from ..datapath.sender import SendTracker
 from ..datapath.side_channel import SideChannelClient
 from ..datapath.staging_pool import StagingPool
 from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError

@@ -25,6 +25,7 @@ from ..core.packing import chunk_packing
 from ..datapath.failures import FailureKind
 from ..datapath.orders import StepOrders
 from ..datapath.pairing import pair_with_prefills, parse_endpoints
+from ..datapath.prefill_service import PrefillSender
 from ..datapath.receiver import Receiver
 from ..datapath.registration import (
     LayerHeads,
@@ -32,7 +33,6 @@ from ..datapath.registration import (
     regions_from_split_caches,
     regions_from_vllm_views,
 )
-from ..datapath.sender import PrefillSender
 from ..datapath.transport import MemoryRange, Transport
 from ..datapath.wire import ModelIdentity
 from ..defaults import SLEEP_DRAIN_S

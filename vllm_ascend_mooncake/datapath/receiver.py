@@ -1,15 +1,34 @@
 """Decode side: pull each request's KV from the prefill ranks the topology names, then fix it up.
 
-A :class:`PullOrder` goes through three stages, none of which lets one peer hold up the others.
-Its prefill instance's lookup lane finds the ranks it reads (fetching their metadata on first
-contact: a peer that does not answer holds one planning thread, not all). Every rank's read claim
-then goes out at once through :mod:`.claims`, one thread for all the claims that wait for a grant;
-the last grant plans the reads on a planning thread. Reads run on a thread pool with one FIFO lane
-per prefill peer: different peers in parallel, one peer strictly in order. All layers of a
+A pull is a short pipeline; no stage lets one peer hold up the others. Its stages in time, the
+thread each runs on and the state each owns:
+
+========  ========================  ============================  ==================================
+stage     code                      runs on                       owns
+========  ========================  ============================  ==================================
+admit     ``submit``                vLLM's worker thread          ``_reports``: the pull in flight
+dispatch  ``_dispatch``             ``vam-recv-dispatch`` (one)   ``_queue``: submitted pulls
+look up   ``_prepare`` →            the prefill instance's        ``_lookup``: pulls per rank;
+          ``PeerLookup.look_up``    lookup lane, ``vam-prepare``  ``_peers``: each rank's metadata
+claim     ``Leases.first_claim``    the claims thread (one)       ``_claims``: claims not answered
+plan      ``_granted`` →            ``vam-prepare``, once the     a staging area; the ``_InFlight``
+          ``_plan_and_read``        last claim is answered
+read      ``_read_from`` →          the peer's lane (``_lanes``)  ``_reader``: each peer's circuit;
+          ``PeerReader.read``       on ``vam-recv``; row copies   ``_InFlight``: reads left, failure
+                                    on ``vam-copy``
+notify    ``_notify``               ``vam-notify-<port>``         ``_notifier``: notices per peer
+fix up    ``_complete``             the pull's last read          the staging area's release
+report    ``PullReports.finish``    the last read, or the         ``_reports``: done, failed, stats
+                                    stage that gave up
+========  ========================  ============================  ==================================
+
+A failure in look up, claim or plan gives the pull up (``_give_up``): every rank looked up is
+told to release its hold, and the pull is reported failed. Reads run with one FIFO lane per
+prefill peer: different peers in parallel, one peer strictly in order. All layers of a
 request-peer pair go out as one batched read, split at the descriptor cap. The fix-up runs only
 once every pull of the request has landed; a partially read request is never fixed up or reported
 loaded. Each peer read gets a read-done notification (success or not) so the prefill side can free
-its blocks; :mod:`.notifier` sends it off the read path.
+its blocks.
 
 What is reported to vLLM is what vLLM waits for, and only once no byte can land any more: a
 release-only pull (no local blocks) is never reported; a failed request is reported only after
@@ -38,14 +57,12 @@ from ..core.plan import (
     PeerPlan,
     PlanOptions,
     RequestPlan,
-    RequestPulls,
     StagingArea,
-    TransferBatch,
     plan_request,
     request_needs_staging,
 )
 from ..core.relayout import LocalMemory, apply_swaps
-from ..core.topology import TransferTopology, request_seed
+from ..core.topology import TransferTopology
 from ..defaults import (
     DEFAULT_CLAIM_PARK_S,
     DEFAULT_CLAIM_WAIT_S,
@@ -60,19 +77,22 @@ from ..defaults import (
 from ..log import get_logger
 from ..timeline import PullTimeline
 from .claims import ClaimExchange
-from .compat import IncompatiblePeerError
 from .copy_overlap import CopyOverlap
-from .failures import FailureKind, PullCancelled, PullError, as_pull_error
+from .failures import FailureKind, PullError, as_pull_error
 from .lanes import FifoLane
-from .leases import LeasedPeer, Leases, LeaseTerms, agreed_block_ids, check_same_tp
+from .leases import LeasedPeer, Leases, LeaseTerms, agreed_block_ids
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
+from .peer_lookup import Lookup, PeerLookup
+from .peer_reads import PeerReader, ReadTerms
 from .peers import PeerDirectory
-from .side_channel import SideChannelClient, SideChannelError
+from .pull_reports import PullFailure, PullReports, PullStats
+from .side_channel import SideChannelClient
 from .staging_pool import StagingPool
-from .transport import TransferError, Transport, UnsettledTransfer
-from .verify import IntegrityError, check_digest, landed_checksum, verify_request
+from .transport import Transport
 from .wire import ClaimReply, ReadDone, bounded_text
+
+__all__ = ["PullFailure", "PullStats", "Receiver", "ReceiverOptions"]
 
 logger = get_logger(__name__)
 
@@ -112,44 +132,9 @@ class ReceiverOptions:
 
 
 @dataclass
-class _Circuit:
-    """A prefill transport whose reads left bytes in flight lately (a frozen data path)."""
-
-    incarnation: str  # the peer process those reads went to
-    strikes: int  # unsettled reads in a row (each one quarantined a pull)
-    until: float  # reads fail at once until then (``time.monotonic``)
-
-
-@dataclass(frozen=True)
-class PullFailure:
-    """A request whose KV could not be loaded: these local blocks hold garbage."""
-
-    local_block_ids: tuple[int, ...]
-    reason: str
-    kind: FailureKind = FailureKind.INTERNAL
-    #: the prefill engine the pull read from ("" when the order named none)
-    prefill_engine_id: str = ""
-
-    @property
-    def cancelled(self) -> bool:
-        """vLLM finished (aborted) the request while it waited for prefill, and the pull gave
-        up before reading: not a transfer failure."""
-        return self.kind is FailureKind.CANCELLED
-
-
-@dataclass(frozen=True)
-class PullStats:
-    request_id: str
-    num_bytes: int
-    num_descriptors: int
-    seconds: float  # first read to KV ready
-    fixup_seconds: float = 0.0
-    timeline: PullTimeline | None = None  # the worker stamps ``reported`` when it takes these
-    transfer_id: str = ""  # joins this decode rank's timeline to prefill's log lines
-
-
-@dataclass
 class _InFlight:
+    """A pull between its plan and its report: the reads left, and the first failure."""
+
     pull: PullOrder
     plan: RequestPlan
     peers: dict[int, LeasedPeer]
@@ -162,23 +147,12 @@ class _InFlight:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(frozen=True)
-class _Lookup:
-    """What a request reads: its topology, seed, each region's head pulls, and each prefill
-    rank's regions."""
-
-    topology: TransferTopology
-    seed: int
-    pulls: RequestPulls
-    remote_tables: dict[int, Sequence[Region]]
-
-
 def _shutting_down(exc: Exception) -> PullError:
     return PullError(FailureKind.UNAVAILABLE_HERE, f"the decode worker is shutting down ({exc})")
 
 
 class Receiver:
-    """Pulls requests' KV into this decode worker's cache."""
+    """Pulls requests' KV into this decode worker's cache (the stages: module docstring)."""
 
     def __init__(
         self,
@@ -192,83 +166,71 @@ class Receiver:
         options: ReceiverOptions | None = None,
         staging: StagingPool | None = None,
     ) -> None:
-        self._transport = transport
         self._topology = topology
         self._rank = decode_rank
         self._local_regions = list(local_regions)
         self._memory = memory
         self._peers = peers
-        self._client = client
-        self._options = options or ReceiverOptions()
+        self._options = options = options or ReceiverOptions()
         self._staging = staging
-        self._pool = ThreadPoolExecutor(self._options.num_threads, thread_name_prefix="vam-recv")
-        self._copies = CopyOverlap(memory, self._options.num_threads)
+        self._reports = PullReports()
+        self._queue: queue.Queue[tuple[PullOrder, PullTimeline] | None] = queue.Queue()
+        self._lookup = PeerLookup(peers, decode_rank, self._local_regions)
         # Planning waits on peers (metadata, leases) and staging buffers: it gets its own threads
         # so that it can neither block the reads that free staging buffers nor queue behind a
         # dead peer's timeouts on one thread, hence more threads than for reads.
         self._prepare_pool = ThreadPoolExecutor(
-            4 * self._options.num_threads, thread_name_prefix="vam-prepare"
+            4 * options.num_threads, thread_name_prefix="vam-prepare"
         )
         # Claims wait for their grants (early pulls up to prefill_wait_s) on one thread, all at
         # once: a pull whose KV is held already never queues behind them.
-        self._claims = ClaimExchange(
-            client, self._options.claim_attempts, self._options.claim_poll_s
-        )
+        self._claims = ClaimExchange(client, options.claim_attempts, options.claim_poll_s)
         self._leases = Leases(
             self._claims,
             peers,
-            LeaseTerms(
-                self._options.claim_wait_s,
-                self._options.prefill_wait_s,
-                self._options.claim_park_s,
-            ),
+            LeaseTerms(options.claim_wait_s, options.prefill_wait_s, options.claim_park_s),
             decode_rank,
             topology.decode_tp,
-            self._check_cancelled,
+            self._reports.check_cancelled,
             self._submit_planning,
         )
+        self._pool = ThreadPoolExecutor(options.num_threads, thread_name_prefix="vam-recv")
+        self._copies = CopyOverlap(memory, options.num_threads)
+        self._reader = PeerReader(
+            transport,
+            memory,
+            self._copies,
+            self._leases,
+            peers,
+            client,
+            decode_rank,
+            ReadTerms(
+                options.read_retries,
+                options.retry_backoff_s,
+                options.lease_margin,
+                options.peer_cooldown_s,
+                options.peer_cooldown_max_s,
+                options.verify_reads,
+            ),
+            self._reports.check_cancelled,
+        )
+        self._lanes_lock = threading.Lock()
         self._lanes: dict[str, FifoLane] = {}  # reads, by prefill transport session
         #: peer lookups, by prefill instance (host, first side-channel port)
         self._lookup_lanes: dict[tuple[str, int], FifoLane] = {}
         self._notifier = ReadDoneNotifier(
-            client,
-            attempts=self._options.notify_attempts,
-            backoff_s=self._options.notify_backoff_s,
+            client, attempts=options.notify_attempts, backoff_s=options.notify_backoff_s
         )
-        self._queue: queue.Queue[tuple[PullOrder, PullTimeline] | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._news = threading.Condition(self._lock)  # a pull vLLM waits for has ended
-        self._waited_for = 0  # pulls vLLM waits for that have not ended yet
-        self._done: set[str] = set()
-        self._failed: dict[str, PullFailure] = {}
-        self._in_flight: set[str] = set()  # request ids of pulls vLLM waits for, not ended yet
-        self._cancelled: set[str] = set()  # ... of those, the ones vLLM no longer wants
-        #: ... of those, the ones vLLM still wants that sleep mode cut short, and why: a failure
-        #: (their blocks are load errors), not a cancel (vLLM would use the blocks unloaded)
-        self._interrupted: dict[str, str] = {}
-        self._stats: list[PullStats] = []
-        # (transfer id, prefill host, port) -> pulls on this worker that looked the peer up for
-        # it and have not sent their read-done notice: only the last one sends it, so a second
-        # pull of one transfer (a router retrying the decode leg) never reads released blocks.
-        self._readers: dict[tuple[str, str, int], int] = {}
-        #: prefill transport session -> its reads that never settled lately: they fail at once
-        #: for a cool-down doubled per such read in a row (PEER_COOLDOWN_S .. _MAX_S)
-        self._open_circuits: dict[str, _Circuit] = {}
-        #: why pulls fail at once while vLLM's sleep mode has the KV cache (None: awake)
-        self._suspended: str | None = None
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="vam-recv-dispatch", daemon=True
         )
         self._dispatcher.start()
 
-    # -- public API -------------------------------------------------------------------------
+    # -- what vLLM calls --------------------------------------------------------------------
 
     def submit(self, pull: PullOrder) -> None:
         if not pull.release_only:
-            with self._lock:
-                self._waited_for += 1
-                self._in_flight.add(pull.request_id)
-                suspended = self._suspended
+            suspended = self._reports.admit(pull)
             if suspended is not None:
                 self._finish(pull, PullError(FailureKind.UNAVAILABLE_HERE, suspended))
                 return
@@ -279,47 +241,18 @@ class Receiver:
         pulls still waiting for a grant give up and reads still queued on a lane never start
         (each fails with ``reason``, its blocks load errors), and wait up to ``timeout_s`` for
         reads under way to settle (they write into the memory about to be unregistered)."""
-        deadline = time.monotonic() + timeout_s
-        with self._news:
-            self._suspended = reason
-            for request_id in self._in_flight:
-                self._interrupted.setdefault(request_id, reason)
-            while self._waited_for and (left := deadline - time.monotonic()) > 0:
-                self._news.wait(left)
-            if self._waited_for:
-                logger.warning(
-                    "%d pull(s) still under way when the KV cache is unregistered for sleep",
-                    self._waited_for,
-                )
+        self._reports.suspend(reason, timeout_s)
 
     def resume(self) -> None:
         """Pull again (after vLLM's wake-up)."""
-        with self._lock:
-            self._suspended = None
+        self._reports.resume()
 
     def cancel(self, request_id: str) -> None:
         """vLLM finished the request while its KV loads: a pull still waiting for prefill's
         grant gives up within a tick of the claims thread (:data:`~.claims.TICK_S`), reads still
         queued on a peer's lane do not start. Reads already under way run to the end: a
         Mooncake read cannot be cancelled, and vLLM keeps the blocks until it is told."""
-        with self._lock:
-            if request_id in self._in_flight:
-                self._cancelled.add(request_id)
-
-    def _check_cancelled(self, pull: PullOrder) -> None:
-        """Raise while ``pull`` is no longer to go on: :class:`PullCancelled` once vLLM finished
-        the request, a failure of its own once sleep mode interrupted it (vLLM still waits for
-        its blocks, which must then be reported as load errors, never as loaded)."""
-        with self._lock:
-            cancelled = pull.request_id in self._cancelled
-            interrupted = self._interrupted.get(pull.request_id)
-        if cancelled:
-            raise PullCancelled(f"request {pull.request_id} finished before its KV was read")
-        if interrupted is not None:
-            raise PullError(
-                FailureKind.UNAVAILABLE_HERE,
-                f"{interrupted} (the pull of request {pull.request_id} was interrupted)",
-            )
+        self._reports.cancel(request_id)
 
     def wait_for_news(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` while pulls are in flight and none has ended unreported.
@@ -327,28 +260,20 @@ class Receiver:
         An engine with only loading requests steps in a tight loop; waiting here instead keeps
         it from taking the CPU that the transfer (and, on a shared host, prefill) needs.
         """
-        with self._news:
-            if self._waited_for and not self._done and not self._failed:
-                self._news.wait(timeout_s)
+        self._reports.wait_for_news(timeout_s)
 
     def take_finished(self) -> tuple[set[str], dict[str, PullFailure]]:
         """Requests whose pull ended since the last call: loaded ones, and failed ones with the
         local blocks that must not be used."""
-        with self._lock:
-            done, self._done = self._done, set()
-            failed, self._failed = self._failed, {}
-        return done, failed
+        return self._reports.take_finished()
 
     def take_stats(self) -> list[PullStats]:
-        with self._lock:
-            stats, self._stats = self._stats, []
-        return stats
+        return self._reports.take_stats()
 
     def shutdown(self) -> None:
         """Stop: pulls still waiting for a grant give up at once instead of waiting out
         ``prefill_wait_s``; reads under way end."""
-        with self._lock:
-            self._cancelled |= self._in_flight
+        self._reports.cancel_all()
         self._queue.put(None)
         self._dispatcher.join(timeout=5)
         self._claims.close()  # claims still waiting fail now, their pulls on planning threads
@@ -357,7 +282,7 @@ class Receiver:
         self._copies.shutdown()
         self._notifier.shutdown()
 
-    # -- dispatch ---------------------------------------------------------------------------
+    # -- dispatch, look up, claim -----------------------------------------------------------
 
     def _dispatch(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -371,7 +296,7 @@ class Receiver:
         """The lane looking up one prefill instance's ranks: a peer that does not answer its
         metadata requests holds one planning thread, never all of them, and its other pulls
         wait behind it (then fail at once while it is marked down)."""
-        with self._lock:
+        with self._lanes_lock:
             lane = self._lookup_lanes.get((host, port))
             if lane is None:
                 lane = self._lookup_lanes[(host, port)] = FifoLane(
@@ -391,7 +316,7 @@ class Receiver:
         the last grant arrives. No thread waits for a grant (:mod:`.claims`)."""
         peers: dict[int, LeasedPeer] = {}
         try:
-            lookup = self._look_up(pull, peers)
+            lookup = self._lookup.look_up(pull, peers)
             if not pull.local_block_ids:  # release-only: nothing to claim or read
                 self._plan_and_read(pull, peers, lookup, pull.remote_block_ids, timeline)
                 return
@@ -419,7 +344,7 @@ class Receiver:
         self,
         pull: PullOrder,
         peers: dict[int, LeasedPeer],
-        lookup: _Lookup,
+        lookup: Lookup,
         claims: dict[int, Future[ClaimReply]],
         timeline: PullTimeline,
     ) -> None:
@@ -447,45 +372,13 @@ class Receiver:
             self._notify(peer, pull.transfer_id, str(exc))
         self._finish(pull, failure)
 
-    def _look_up(self, pull: PullOrder, peers: dict[int, LeasedPeer]) -> _Lookup:
-        """The request's topology and the prefill ranks it reads (into ``peers``, so that a
-        failure later releases exactly those)."""
-        seed = request_seed(pull.transfer_id)
-        topology = self._topology_of(pull)
-        pulls = RequestPulls.of(topology, self._rank, seed, self._local_regions)
-        remote_tables: dict[int, Sequence[Region]] = {}
-        # An early pull is bound by its unique transfer id; the engine id it carries may predate
-        # a prefill restart (the proxy learns the new one from the answer that follows).
-        engine_id = None if pull.early else pull.remote_engine_id
-        refused: IncompatiblePeerError | None = None
-        for rank in pulls.prefill_ranks:
-            port = pull.remote_port + rank
-            try:
-                prefill = self._peers.get(pull.remote_host, port, engine_id)
-            except IncompatiblePeerError as exc:
-                # every refused rank is still told to release its hold (by _give_up), not left
-                # to its release timeout
-                refused = refused or exc
-                if exc.incarnation:
-                    peers[rank] = LeasedPeer(rank, pull.remote_host, port, "", exc.incarnation)
-                continue
-            check_same_tp(prefill, topology)
-            remote_tables[rank] = prefill.regions
-            peers[rank] = LeasedPeer(
-                rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
-            )
-            with self._lock:
-                key = (pull.transfer_id, pull.remote_host, port)
-                self._readers[key] = self._readers.get(key, 0) + 1
-        if refused is not None:
-            raise refused
-        return _Lookup(topology, seed, pulls, remote_tables)
+    # -- plan, read, fix up, report ---------------------------------------------------------
 
     def _plan_and_read(
         self,
         pull: PullOrder,
         peers: dict[int, LeasedPeer],
-        lookup: _Lookup,
+        lookup: Lookup,
         remote_block_ids: Sequence[int] | None,
         timeline: PullTimeline,
     ) -> None:
@@ -504,7 +397,7 @@ class Receiver:
                 )
             staging = self._staging.acquire(
                 self._options.claim_wait_s,
-                lambda: self._check_cancelled(pull),
+                lambda: self._reports.check_cancelled(pull),
                 self._options.claim_park_s,
             )
         try:
@@ -538,16 +431,8 @@ class Receiver:
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
 
-    def _topology_of(self, pull: PullOrder) -> TransferTopology:
-        """The topology pairing the request's prefill instance (its TP size, as its params say)
-        with this decode instance; the configured one when the pull does not say."""
-        topologies = self._peers.topologies
-        if pull.remote_tp_size is None:
-            return topologies.configured
-        return topologies.with_remote_tp(pull.remote_tp_size)
-
     def _lane(self, session: str) -> FifoLane:
-        with self._lock:
+        with self._lanes_lock:
             lane = self._lanes.get(session)
             if lane is None:
                 lane = self._lanes[session] = FifoLane(
@@ -555,21 +440,21 @@ class Receiver:
                 )
         return lane
 
-    # -- reads ------------------------------------------------------------------------------
-
     def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
+        """Read one peer's part of a pull, tell that peer, and complete the pull if it was the
+        last part."""
         peer = state.peers[peer_plan.prefill_rank]
         failure = None
         with state.lock:
             state.timeline.mark_first_read(time.monotonic())
         if state.failure is None and peer_plan.batches:
             try:
-                self._read_leased(state.pull, peer, peer_plan)
-                with self._lock:
-                    self._open_circuits.pop(peer.transport_session, None)
+                self._reader.read(state.pull, peer, peer_plan)
             except Exception as exc:  # any failure: the request is failed, never half-used
                 failure = as_pull_error(exc)
-                self._read_failed(state, peer, failure, exc)
+                if failure.kind is FailureKind.UNSETTLED:
+                    state.quarantined = True
+                self._reader.failed(state.pull, peer, failure, exc)
         reason = failure or state.failure
         self._notify(peer, state.pull.transfer_id, None if reason is None else str(reason))
         with state.lock:
@@ -581,118 +466,25 @@ class Receiver:
             state.timeline.landed = time.monotonic()
             self._complete(state)
 
-    def _read_failed(
-        self, state: _InFlight, peer: LeasedPeer, failure: PullError, exc: Exception
-    ) -> None:
-        if failure.kind in (FailureKind.CANCELLED, FailureKind.UNAVAILABLE_HERE):
-            # cancelled or asleep before this read started: nothing wrong with the peer
-            logger.info(
-                "request %s: no read from prefill rank %d: %s",
-                state.pull.request_id,
-                peer.rank,
-                exc,
-            )
+    def _notify(self, peer: LeasedPeer, transfer_id: str, failure: str | None) -> None:
+        """Tell ``peer`` this worker is done with ``transfer_id`` (if no other pull of it still
+        reads that peer), so prefill can free its blocks."""
+        if not self._lookup.last_reader(transfer_id, peer):
             return
-        if failure.kind is FailureKind.UNSETTLED:  # frozen: others would hang as long
-            self._open_circuit(peer)
-            state.quarantined = True
-        self._peers.invalidate(peer.host, peer.port)
-        logger.warning(
-            "request %s: read from prefill rank %d (%s) failed (%s): %s",
-            state.pull.request_id,
-            peer.rank,
-            peer.transport_session,
-            failure.kind.value,
-            exc,
+        message = ReadDone(
+            request_id=transfer_id,
+            decode_rank=self._rank,
+            incarnation=peer.incarnation,
+            success=failure is None,
+            reason=bounded_text(failure or ""),
+            reader=self._peers.local.incarnation,
+            decode_tp=self._topology.decode_tp,
         )
-
-    def _open_circuit(self, peer: LeasedPeer) -> None:
-        """A read from ``peer`` never settled: fail its reads at once for a cool-down, doubled
-        for each such read in a row (the one read let through after a cool-down is the probe;
-        if it hangs too, the next wait is twice as long), never past ``peer_cooldown_max_s``."""
-        options = self._options
-        with self._lock:
-            circuit = self._open_circuits.get(peer.transport_session)
-            if circuit is None or circuit.incarnation != peer.incarnation:
-                circuit = _Circuit(peer.incarnation, 0, 0.0)
-                self._open_circuits[peer.transport_session] = circuit
-            circuit.strikes += 1
-            cooldown = options.peer_cooldown_s * 2 ** min(circuit.strikes - 1, 32)
-            circuit.until = time.monotonic() + min(cooldown, options.peer_cooldown_max_s)
-
-    def _check_circuit(self, peer: LeasedPeer) -> None:
-        """Fail at once while ``peer``'s circuit is open (a read from it never settled); a new
-        incarnation of the peer (restarted behind the same transport session) starts afresh."""
-        session = peer.transport_session
-        with self._lock:
-            circuit = self._open_circuits.get(session)
-            if circuit is not None and circuit.incarnation != peer.incarnation:
-                del self._open_circuits[session]  # replaced: not the process that froze
-                circuit = None
-        left = circuit.until - time.monotonic() if circuit is not None else 0.0
-        if left > 0:
-            raise PullError(
-                FailureKind.PEER_UNAVAILABLE,
-                f"a read from prefill transport {session} never settled lately (a frozen peer?); "
-                f"it is not read again for {left:.1f} s (its circuit is open)",
-            )
-
-    def _read_leased(self, pull: PullOrder, peer: LeasedPeer, peer_plan: PeerPlan) -> None:
-        """Read every batch under a valid lease; bytes that may postdate the lease are refused.
-        A pull cancelled or cut short by sleep mode while its reads waited in the peer's lane
-        reads no further batch: sleep unregisters the memory they would land in."""
-        self._check_cancelled(pull)
-        self._check_circuit(peer)
-        if time.monotonic() - peer.claimed_at > peer.lease_s / 2:
-            self._leases.claim(pull, peer).result()  # waited long in the queue: renew first
-
-        def read(batch: TransferBatch) -> None:
-            self._check_cancelled(pull)
-            self._read_batch(peer.transport_session, batch)
-            if self._options.verify_reads:
-                self._verify_batch(pull, peer, batch)
-
-        self._copies.read_all(peer_plan.batches, read)
-        lease_end = peer.claimed_at + peer.lease_s * (1 - self._options.lease_margin)
-        if time.monotonic() > lease_end:
-            raise PullError(
-                FailureKind.LEASE_OUTLASTED,
-                f"the read outlasted its {peer.lease_s:.0f} s lease: prefill may already have "
-                f"reused the blocks",
-            )
-
-    def _verify_batch(self, pull: PullOrder, peer: LeasedPeer, batch: TransferBatch) -> None:
-        """Fail the pull unless the landed bytes are prefill's (before anything moves them)."""
-        self._memory.fence()
-        local = landed_checksum(self._memory, batch.local_addrs, batch.lengths)
-        question = verify_request(
-            pull.transfer_id,
-            self._rank,
-            self._peers.local.incarnation,
-            batch.remote_addrs,
-            batch.lengths,
-        )
-        try:
-            reply = self._client.request(peer.host, peer.port, question)
-        except SideChannelError as exc:
-            raise IntegrityError(f"prefill rank {peer.rank} could not be asked: {exc}") from exc
-        check_digest(reply, local, f"{len(batch)} range(s) read from prefill rank {peer.rank}")
-
-    def _read_batch(self, transport_session: str, batch: TransferBatch) -> None:
-        for attempt in range(self._options.read_retries + 1):
-            try:
-                self._transport.read(
-                    transport_session, batch.local_addrs, batch.remote_addrs, batch.lengths
-                )
-                return
-            except UnsettledTransfer:
-                raise  # bytes may still land: a second read into the same memory would race it
-            except TransferError:
-                if attempt == self._options.read_retries:
-                    raise
-                time.sleep(self._options.retry_backoff_s * (attempt + 1))
+        self._notifier.send(peer.host, peer.port, peer.rank, message)
 
     def _complete(self, state: _InFlight) -> None:
+        """Every read of the pull settled: fix the KV up and report it (a quarantined pull is
+        never reported)."""
         if state.quarantined:
             # Never reported: vLLM keeps the blocks (and this staging area stays out of use), so
             # the bytes still in flight cannot land in KV that anyone else computes or reads.
@@ -705,11 +497,7 @@ class Receiver:
             )
             if state.staging is not None and self._staging is not None:
                 self._staging.quarantine(state.staging)
-            with self._lock:
-                self._waited_for -= 1  # nothing to wait for: it is never reported
-                self._in_flight.discard(state.pull.request_id)
-                self._cancelled.discard(state.pull.request_id)
-                self._interrupted.pop(state.pull.request_id, None)
+            self._reports.forget(state.pull.request_id)  # nothing to wait for
             return
         fixup_started = time.perf_counter()
         try:
@@ -726,18 +514,17 @@ class Receiver:
                 self._staging.release(state.staging)
         state.timeline.fixed_up = time.monotonic()
         if state.failure is None and not state.pull.release_only:
-            with self._lock:
-                self._stats.append(
-                    PullStats(
-                        state.pull.request_id,
-                        state.plan.num_bytes,
-                        state.plan.num_descriptors,
-                        time.perf_counter() - state.started,
-                        time.perf_counter() - fixup_started,
-                        state.timeline,
-                        state.pull.transfer_id,
-                    )
+            self._reports.record_stats(
+                PullStats(
+                    state.pull.request_id,
+                    state.plan.num_bytes,
+                    state.plan.num_descriptors,
+                    time.perf_counter() - state.started,
+                    time.perf_counter() - fixup_started,
+                    state.timeline,
+                    state.pull.transfer_id,
                 )
+            )
         self._finish(state.pull, state.failure)
 
     def _finish(self, pull: PullOrder, failure: PullError | None) -> None:
@@ -747,36 +534,4 @@ class Receiver:
                     "request %s: releasing prefill's hold failed: %s", pull.request_id, failure
                 )
             return  # vLLM loads nothing for it and must never hear of it
-        with self._lock:
-            if failure is None:
-                self._done.add(pull.request_id)
-            else:
-                self._failed[pull.request_id] = PullFailure(
-                    tuple(pull.local_block_ids),
-                    str(failure),
-                    failure.kind,
-                    pull.remote_engine_id or "",
-                )
-            self._in_flight.discard(pull.request_id)
-            self._cancelled.discard(pull.request_id)
-            self._interrupted.pop(pull.request_id, None)
-            self._waited_for -= 1
-            self._news.notify_all()
-
-    def _notify(self, peer: LeasedPeer, transfer_id: str, failure: str | None) -> None:
-        key = (transfer_id, peer.host, peer.port)
-        with self._lock:
-            left = self._readers.pop(key, 1) - 1
-            if left > 0:  # another pull of this transfer still reads this peer: it notifies
-                self._readers[key] = left
-                return
-        message = ReadDone(
-            request_id=transfer_id,
-            decode_rank=self._rank,
-            incarnation=peer.incarnation,
-            success=failure is None,
-            reason=bounded_text(failure or ""),
-            reader=self._peers.local.incarnation,
-            decode_tp=self._topology.decode_tp,
-        )
-        self._notifier.send(peer.host, peer.port, peer.rank, message)
+        self._reports.finish(pull, failure)

@@ -1,5 +1,11 @@
 """Prefill side: hold each request's blocks until every decode rank that reads them is done.
 
+This module is the state (holds, leases, releases) and every method that changes it, under one
+lock; a held transfer's record (:class:`~.holds.Hold`) and which decode ranks read it, per decode
+TP (:class:`~.holds.ReaderTopologies`), are in :mod:`.holds`. The side-channel service that
+answers decode workers and routers with this state is :mod:`.prefill_service` (its table lists
+each message, the method answering it and its thread).
+
 The topology tells this rank which decode ranks will read it for a request (possibly none: then the
 request is finished at once). Decode ranks claim a lease before reading; a lease keeps a busy but
 live decode from being cut off, and a request whose blocks were already released is refused, so a
@@ -39,31 +45,18 @@ hands to other requests. Transfers released then stay refused after :meth:`SendT
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from ..core.relayout import LocalMemory
-from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
+from ..core.topology import TransferTopology
 from ..log import get_logger
-from . import verify
-from .side_channel import Deferred, Park, SideChannelServer
-from .wire import (
-    Ack,
-    ClaimRead,
-    ClaimReply,
-    DropHold,
-    ErrorReply,
-    GetMetadata,
-    KeepHold,
-    Message,
-    ReadDone,
-    VerifyRead,
-    WorkerMetadata,
-)
+from .holds import Hold, ReaderTopologies
+from .prefill_service import MAX_CLAIM_PARK_S, PrefillSender
+from .wire import ClaimReply
+
+__all__ = ["MAX_CLAIM_PARK_S", "MAX_HOLD_TIMEOUTS", "PrefillSender", "SendTracker"]
 
 logger = get_logger(__name__)
 
@@ -76,27 +69,10 @@ MAX_HOLD_TIMEOUTS = 4
 #: Read-done notices for requests this rank does not hold yet that are remembered at most: a
 #: flood of notices for made-up ids cannot grow memory past this (the rest are ignored).
 MAX_EARLY_NOTICES = 1 << 16
-#: The longest a pending claim is held open before it is answered "pending" anyway.
-MAX_CLAIM_PARK_S = 5.0
 #: Why a transfer went, as a later claim or renewal is told (with the others at their release).
 _DROPPED = "the router freed it: its client left, so the decode request was aborted"
 _EXPIRED = "its release timeout passed before every decode rank had read it"
 _ASLEEP = "released for vLLM's sleep mode"
-
-
-@dataclass
-class _Held:
-    request_id: str
-    readers_left: set[int]
-    deadline: float
-    block_ids: tuple[int, ...] = ()
-    num_prompt_tokens: int = -1
-    failed_readers: set[int] = field(default_factory=set)
-    hold_ends: float = float("inf")  # the latest deadline any lease may extend to
-    #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
-    lessees: dict[int, str] = field(default_factory=dict)
-    #: the TP size of the decode instance reading it, once a claim or notice named it
-    decode_tp: int | None = None
 
 
 class SendTracker:
@@ -110,13 +86,12 @@ class SendTracker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topology = topology
-        self._topologies = Topologies(topology, local_is_decode=False)
-        self._rank = rank
+        self._readers = ReaderTopologies(topology, rank)
         self._timeout = release_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # a request may be finished now
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, Hold] = {}
         # transfer id -> (decode ranks that sent a notice, forget after, their decode TP or -1)
         # Both remember entries in the order they were added, which is their order of expiry
         # (each is forgotten a fixed time after it was added): expiring looks at the oldest only.
@@ -184,13 +159,13 @@ class SendTracker:
                 self._release(transfer_id, request_id, _ASLEEP)
                 return
             early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
-            topology = self._reader_topology(early_tp) or self._topology
-            readers = set(topology.readers_of(self._rank, request_seed(transfer_id))) - early
+            topology = self._readers.for_tp(early_tp) or self._topology
+            readers = self._readers.readers(topology, transfer_id) - early
             if not readers:
                 self._release(transfer_id, request_id, "every decode rank that reads it was done")
                 return
             now = self._clock()
-            self._held[transfer_id] = _Held(
+            self._held[transfer_id] = Hold(
                 request_id,
                 readers,
                 now + self._timeout,
@@ -199,49 +174,6 @@ class SendTracker:
                 hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
                 decode_tp=topology.decode_tp if early_tp >= 0 else None,
             )
-
-    def _reader_topology(self, decode_tp: int) -> TransferTopology | None:
-        """The topology for readers of TP ``decode_tp`` (< 0: the configured one); None when
-        this rank cannot serve that size."""
-        if decode_tp < 0 or decode_tp == self._topology.decode_tp:
-            return self._topology
-        if self._topology.replicates_on_prefill:
-            return None  # replicated heads: see the module docstring
-        try:
-            return self._topologies.with_remote_tp(decode_tp)
-        except TopologyError:
-            return None
-
-    def _learn_decode_tp(self, held: _Held, transfer_id: str, decode_tp: int) -> str | None:
-        """Bind ``held`` to the decode TP its readers run (caller holds the lock); the reason
-        to refuse when that cannot be. The readers switch to that size's before any spoke."""
-        if decode_tp < 0:
-            decode_tp = self._topology.decode_tp
-        if held.decode_tp is not None:
-            if held.decode_tp == decode_tp:
-                return None
-            return (
-                f"a decode instance of TP {held.decode_tp} reads this transfer already, this "
-                f"reader runs TP {decode_tp}"
-            )
-        topology = self._reader_topology(decode_tp)
-        if topology is None:
-            replicated = self._topology.replicates_on_prefill
-            heads = " and ".join(str(g.heads) for g in self._topology.head_groups)
-            why = (
-                f"this prefill instance replicates its {heads} KV heads over TP "
-                f"{self._topology.prefill_tp} and serves only decode TP "
-                f"{self._topology.decode_tp} (kv_connector_extra_config's decode.tp_size)"
-                if replicated
-                else f"prefill TP {self._topology.prefill_tp} cannot pair with it"
-            )
-            return f"the decode instance runs TP {decode_tp}: {why}"
-        if topology is not self._topology:
-            held.readers_left = set(
-                topology.readers_of(self._rank, request_seed(transfer_id))
-            ) - set(held.lessees)
-        held.decode_tp = decode_tp
-        return None
 
     def drop(self, transfer_id: str) -> None:
         """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
@@ -284,7 +216,7 @@ class SendTracker:
                 return ClaimReply(
                     "refused", reason=f"decode rank {decode_rank}'s lease is held by another reader"
                 )
-            refusal = self._learn_decode_tp(held, transfer_id, decode_tp)
+            refusal = self._readers.bind(held, transfer_id, decode_tp)
             if refusal is not None:
                 if held.decode_tp is None:  # nobody else reads it: free it now
                     del self._held[transfer_id]
@@ -395,7 +327,7 @@ class SendTracker:
             held = self._held.get(transfer_id)
             if held is not None and held.lessees.get(decode_rank, reader) != reader:
                 return False
-            if held is not None and self._learn_decode_tp(held, transfer_id, decode_tp):
+            if held is not None and self._readers.bind(held, transfer_id, decode_tp):
                 return False
             if held is None:
                 if transfer_id in self._released:
@@ -511,112 +443,3 @@ class SendTracker:
     def num_held(self) -> int:
         with self._lock:
             return len(self._held)
-
-
-class PrefillSender:
-    """A prefill worker's side-channel service: metadata, read leases, read-done bookkeeping."""
-
-    def __init__(
-        self,
-        metadata: WorkerMetadata,
-        tracker: SendTracker,
-        host: str,
-        port: int,
-        secret: bytes | None = None,
-        memory: LocalMemory | None = None,
-    ) -> None:
-        self.metadata = metadata
-        self.tracker = tracker
-        #: the registered KV memory, which integrity checks read (None: they are refused)
-        self._memory = memory
-        self._server = SideChannelServer(
-            host, port, self._handle, name=f"vam-sender-{port}", secret=secret
-        )
-        tracker.on_change = self._server.wake
-
-    def _stale(self, incarnation: str) -> ErrorReply | None:
-        if incarnation == self.metadata.incarnation:
-            return None
-        return ErrorReply(
-            f"addressed to incarnation {incarnation} but this worker is "
-            f"{self.metadata.incarnation} (it restarted; its KV is gone)"
-        )
-
-    def _handle(self, message: Message) -> Message | Park | Deferred:
-        if isinstance(message, GetMetadata):
-            return self.metadata
-        if isinstance(message, ClaimRead):
-            stale = self._stale(message.incarnation)
-            if stale is not None:
-                return stale
-            reply = self.tracker.claim(
-                message.request_id,
-                message.decode_rank,
-                message.num_prompt_tokens,
-                message.decode_tp,
-                message.reader,
-            )
-            if reply.status == "pending" and message.wait_s > 0:
-                # Answer when prefill registers the request (a hold wakes the server), not later.
-                wait_s = min(message.wait_s, MAX_CLAIM_PARK_S)
-                return Park(time.monotonic() + wait_s, reply, key=message.request_id)
-            return reply
-        if isinstance(message, KeepHold):
-            return self.tracker.keep(message.request_id)
-        if isinstance(message, DropHold):
-            return self.tracker.drop_unread(message.request_id)
-        if isinstance(message, VerifyRead):
-            # A checksum of a batch's GBs takes seconds: off this thread, or every claim and
-            # read-done notice to this worker would wait behind it (issue #43 item a).
-            return Deferred(lambda: self._verify(message))
-        if isinstance(message, ReadDone):
-            stale = self._stale(message.incarnation)
-            if stale is not None:
-                return stale
-            if not message.success:
-                # a claim that raced its client's leaving: nothing wrong with either side
-                raced = self.tracker.dropped(message.request_id)
-                logger.log(
-                    logging.INFO if raced else logging.WARNING,
-                    "decode rank %d failed to read request %s: %s",
-                    message.decode_rank,
-                    message.request_id,
-                    message.reason,
-                )
-            if not self.tracker.read_done(
-                message.request_id,
-                message.decode_rank,
-                message.success,
-                message.reader,
-                message.decode_tp,
-            ):
-                logger.warning(
-                    "ignored a read-done notice for request %s, decode rank %d (TP %d), from a "
-                    "reader the lease was not granted to or of another decode TP",
-                    message.request_id,
-                    message.decode_rank,
-                    message.decode_tp,
-                )
-                return ErrorReply(
-                    "this read lease was granted to another reader, or another decode TP reads it"
-                )
-            return Ack()
-        return ErrorReply(f"unexpected {type(message).__name__} on a prefill side channel")
-
-    def _verify(self, message: VerifyRead) -> Message:
-        """The checksum ``message`` asks for (on the server's worker pool): the lease is looked
-        up when the work starts, not when the question arrived."""
-        blocks = self.tracker.leased_blocks(message.request_id, message.decode_rank, message.reader)
-        reply = verify.answer(message, self._memory, self.metadata.to_regions(), blocks)
-        return ErrorReply(reply) if isinstance(reply, str) else reply
-
-    def suspend(self, reason: str) -> None:
-        """vLLM's sleep mode: refuse claims and end every hold, waiting at most one release
-        timeout for reads under way (see :meth:`SendTracker.suspend`)."""
-        self.tracker.suspend(reason, self.tracker.lease_s)
-
-    def resume(self) -> None:
-        self.tracker.resume()
-
-    def close(self) -> None:
-        self._server.close()

@@ -2,8 +2,8 @@
 
 Each :class:`WorkerProcess` is a separate OS process with its own Mooncake transfer engine, reused
 across cases (:mod:`.datapath_cases`): per case it allocates a KV cache shaped like the engine's
-(:mod:`.kv_caches`), registers it, and runs the real :class:`~..datapath.sender.PrefillSender` or
-:class:`~..datapath.receiver.Receiver`
+(:mod:`.kv_caches`), registers it, and runs the real
+:class:`~..datapath.prefill_service.PrefillSender` or :class:`~..datapath.receiver.Receiver`
 through the production wiring. Prefill caches are filled from the case's reference; decode
 workers check every pulled byte against it, and that no byte outside the requested blocks
 changed.

@@ -1,0 +1,85 @@
+"""Prefill side: a held transfer's record, and which decode ranks read it.
+
+A transfer this rank holds is a :class:`Hold`: its readers left, its deadline and bound, its
+leases and the decode TP reading it. Which decode ranks read it depends on that TP, bound by the
+first claim or notice that names one (:class:`ReaderTopologies`). Neither locks:
+:class:`~.sender.SendTracker`'s lock guards them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
+
+
+@dataclass
+class Hold:
+    """A transfer whose blocks this rank holds until its readers are done."""
+
+    request_id: str
+    readers_left: set[int]
+    deadline: float
+    block_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = -1
+    failed_readers: set[int] = field(default_factory=set)
+    hold_ends: float = float("inf")  # the latest deadline any lease may extend to
+    #: decode rank -> the reader (decode worker incarnation) its lease was first granted to
+    lessees: dict[int, str] = field(default_factory=dict)
+    #: the TP size of the decode instance reading it, once a claim or notice named it
+    decode_tp: int | None = None
+
+
+class ReaderTopologies:
+    """Which decode ranks read this prefill rank's transfers, per decode TP size."""
+
+    def __init__(self, topology: TransferTopology, rank: int) -> None:
+        self.configured = topology
+        self._topologies = Topologies(topology, local_is_decode=False)
+        self._rank = rank
+
+    def readers(self, topology: TransferTopology, transfer_id: str) -> set[int]:
+        return set(topology.readers_of(self._rank, request_seed(transfer_id)))
+
+    def for_tp(self, decode_tp: int) -> TransferTopology | None:
+        """The topology for readers of TP ``decode_tp`` (< 0: the configured one); None when
+        this rank cannot serve that size."""
+        configured = self.configured
+        if decode_tp < 0 or decode_tp == configured.decode_tp:
+            return configured
+        if configured.replicates_on_prefill:
+            return None  # replicated heads: see :mod:`.sender`'s docstring
+        try:
+            return self._topologies.with_remote_tp(decode_tp)
+        except TopologyError:
+            return None
+
+    def bind(self, held: Hold, transfer_id: str, decode_tp: int) -> str | None:
+        """Bind ``held`` to the decode TP its readers run; the reason to refuse when that
+        cannot be. The readers switch to that size's before any spoke."""
+        configured = self.configured
+        if decode_tp < 0:
+            decode_tp = configured.decode_tp
+        if held.decode_tp is not None:
+            if held.decode_tp == decode_tp:
+                return None
+            return (
+                f"a decode instance of TP {held.decode_tp} reads this transfer already, this "
+                f"reader runs TP {decode_tp}"
+            )
+        topology = self.for_tp(decode_tp)
+        if topology is None:
+            replicated = configured.replicates_on_prefill
+            heads = " and ".join(str(g.heads) for g in configured.head_groups)
+            why = (
+                f"this prefill instance replicates its {heads} KV heads over TP "
+                f"{configured.prefill_tp} and serves only decode TP "
+                f"{configured.decode_tp} (kv_connector_extra_config's decode.tp_size)"
+                if replicated
+                else f"prefill TP {configured.prefill_tp} cannot pair with it"
+            )
+            return f"the decode instance runs TP {decode_tp}: {why}"
+        if topology is not configured:
+            held.readers_left = self.readers(topology, transfer_id) - set(held.lessees)
+        held.decode_tp = decode_tp
+        return None
