@@ -22,13 +22,14 @@ from typing import Any
 
 from .tiny_model import (
     PROJECTION_GAIN,
-    QUERY_KEY_GAIN,
     RMS_NORM_EPS,
     ROPE_THETA,
     TinyModelSpec,
     TinySpecBase,
     WeightShape,
+    check_grouped_attention,
     mlp_shapes,
+    qkv_shapes,
 )
 
 #: vLLM's model class for an EAGLE (1) draft of a Llama target.
@@ -56,18 +57,12 @@ class TinyEagleDraftSpec(TinySpecBase):
             raise ValueError("an EAGLE draft's hidden_size is its target's: give it")
         self.resolve_sizes(default_hidden=self.hidden_size)
         self.check_fields(not_sizes=("dtype",))
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
-            )
+        check_grouped_attention(self.num_attention_heads, self.num_kv_heads, self.head_dim)
         if self.hidden % self.num_attention_heads:
             raise ValueError(
                 f"transformers wants the hidden size ({self.hidden}) to be a multiple of "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @classmethod
     def for_target(cls, target: TinyModelSpec, **attention: int) -> TinyEagleDraftSpec:
@@ -124,16 +119,9 @@ class TinyEagleDraftSpec(TinySpecBase):
         """``fc`` and layer 0 under EAGLE's names (no ``model.`` prefix, no input norm)."""
         hidden, heads_width = self.hidden, self.num_attention_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
-        query_key_std = QUERY_KEY_GAIN / math.sqrt(hidden)
         yield "fc.weight", (hidden, 2 * hidden), PROJECTION_GAIN / math.sqrt(2 * hidden)
         prefix = "layers.0"
-        yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
-        yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
-        yield (
-            f"{prefix}.self_attn.v_proj.weight",
-            (kv_width, hidden),
-            PROJECTION_GAIN / math.sqrt(hidden),
-        )
+        yield from qkv_shapes(prefix, hidden, heads_width, kv_width)
         yield (
             f"{prefix}.self_attn.o_proj.weight",
             (hidden, heads_width),

@@ -105,6 +105,29 @@ def mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Iterator[WeightSh
     )
 
 
+def qkv_shapes(prefix: str, hidden: int, heads_width: int, kv_width: int) -> Iterator[WeightShape]:
+    """A grouped-query layer's Q, K and V projections (sharp attention: query/key gain)."""
+    query_key_std = QUERY_KEY_GAIN / math.sqrt(hidden)
+    yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
+    yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
+    yield (
+        f"{prefix}.self_attn.v_proj.weight",
+        (kv_width, hidden),
+        PROJECTION_GAIN / math.sqrt(hidden),
+    )
+
+
+def check_grouped_attention(num_attention_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """What a grouped-query attention's shape must satisfy for vLLM to build it."""
+    if num_attention_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({num_attention_heads}) must be a multiple of "
+            f"num_kv_heads ({num_kv_heads}) for grouped-query attention"
+        )
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+
+
 class TinySpecBase:
     """What :func:`build_tiny_model` builds from: :class:`TinyModelSpec` or
     :class:`~.tiny_mla_model.TinyMLAModelSpec`. Each gives its files' config, weights and cache
@@ -222,13 +245,7 @@ class TinyModelSpec(TinySpecBase):
                 f"other than head_dim {self.head_dim}; got {self.config_head_dim} for "
                 f"{self.architecture}"
             )
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        check_grouped_attention(self.num_attention_heads, self.num_kv_heads, self.head_dim)
         if self.architecture == "qwen2" and self.hidden != self.num_attention_heads * self.head_dim:
             raise ValueError(
                 f"a Qwen2 model's head_dim is hidden_size / num_attention_heads: hidden_size "
@@ -292,18 +309,11 @@ class TinyModelSpec(TinySpecBase):
         """Every tensor, in a fixed order."""
         hidden, heads_width = self.hidden, self.num_attention_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
-        query_key_std = QUERY_KEY_GAIN / math.sqrt(hidden)
         yield "model.embed_tokens.weight", (self.vocab_size, hidden), EMBEDDING_STD
         for layer in range(self.num_layers):
             prefix = f"model.layers.{layer}"
             yield f"{prefix}.input_layernorm.weight", (hidden,), None
-            yield f"{prefix}.self_attn.q_proj.weight", (heads_width, hidden), query_key_std
-            yield f"{prefix}.self_attn.k_proj.weight", (kv_width, hidden), query_key_std
-            yield (
-                f"{prefix}.self_attn.v_proj.weight",
-                (kv_width, hidden),
-                PROJECTION_GAIN / math.sqrt(hidden),
-            )
+            yield from qkv_shapes(prefix, hidden, heads_width, kv_width)
             if self.architecture == "qwen2":
                 for name, width in (
                     ("q_proj", heads_width),
