@@ -1,11 +1,19 @@
-"""A vLLM worker extension for tests: the bytes a worker holds in its KV cache, per layer, block
-and KV head, as digests, so that a test can compare what decode pulled with what prefill held
-byte for byte (answers cannot show it for every layer: a draft model's KV changes only which
+"""A vLLM worker extension for tests: the bytes a worker holds in its KV cache, per layer, KV head
+and run of tokens, as digests, so that a test can compare what decode pulled with what prefill
+held byte for byte (answers cannot show it for every layer: a draft model's KV changes only which
 tokens are proposed, never a greedy answer).
 
+A head-major (block, head) chunk of vLLM CPU is packed by its ISA kernel (K column-major for vec,
+16-token tiles for amx): the probe reads each chunk's rows through the packing the connector
+plans with (:func:`vllm_ascend_mooncake.core.packing.chunk_packing`, checked against vLLM's own
+kernels by tests/datapath/test_chunk_packing.py) and digests the bytes of every run of ``unit``
+tokens (the packing's largest token unit) of a head, in token order across the blocks given. The
+digests therefore do not depend on the block size: prefill and decode of different block sizes
+compare run for run.
+
 Engines load it with ``--worker-extension-cls kv_probe.KVProbe`` (this directory on their
-``PYTHONPATH``) and answer ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``; the test
-reads it with :func:`block_digests`. Test-only: nothing in the connector depends on it.
+``PYTHONPATH``) and answer ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``
+(:func:`probed_engines`). Test-only: nothing in the connector depends on it.
 """
 
 from __future__ import annotations
@@ -18,17 +26,25 @@ from typing import Any
 
 import httpx
 
+#: Tokens per digest: a multiple of every packing's token unit (amx tiles: 16) that divides
+#: every block size vLLM CPU takes (multiples of 32).
+TOKEN_RUN = 16
+
 
 class KVProbe:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
 
-    def kv_block_digests(self, request: str) -> dict[str, Any]:
-        """``request``: JSON ``{"blocks": [ids]}`` (vLLM's dev endpoint passes strings only).
-        Answers this rank's TP rank and, for every layer with a KV cache, its KV-head count and
-        the SHA-256 of each (block, local head) chunk (its K and V), blocks in the order asked."""
+    def kv_token_digests(self, request: str) -> dict[str, Any]:
+        """``request``: JSON ``{"blocks": [ids]}``, a request's blocks in order (vLLM's dev
+        endpoint passes strings only). Answers this rank's TP rank and, for every layer with a
+        KV cache, its KV-head count and per head the SHA-256 of each run of
+        :data:`TOKEN_RUN` tokens' bytes (K and V, every row of the packing), in token order."""
         import torch
 
-        asked = json.loads(request)
+        from vllm_ascend_mooncake.connector.identity import attention_backend_label
+        from vllm_ascend_mooncake.core.packing import chunk_packing
+
+        blocks = json.loads(request)["blocks"]
         context = self.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
         layers: dict[str, Any] = {}
         for name in sorted(context):
@@ -36,31 +52,50 @@ class KVProbe:
             cache = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
             if not isinstance(cache, torch.Tensor) or not cache.numel():
                 continue
-            # Head-major: [blocks, heads, ...] (vLLM CPU 0.32: K and V of a (block, head) side by
-            # side), or [2 (K, V), blocks, heads, ...].
-            split = cache.dim() == 5 and cache.shape[0] == 2
-            heads = cache.shape[2] if split else cache.shape[1]
+            # vLLM CPU 0.32: [blocks, heads, tokens, 2 * head_size], K and V of a (block, head)
+            # side by side in one chunk, packed by the ISA kernel.
+            _, heads, block_size, width = cache.shape
+            label = attention_backend_label([context[name]])
+            packing = chunk_packing(label, "auto", width // 2, cache.element_size())
+            assert packing, f"{name}: no known packing for {label} (head size {width // 2})"
             digests = []
-            for block in asked["blocks"]:
-                per_head = []
-                for head in range(heads):
-                    if split:
-                        chunk = torch.stack([cache[0, block, head], cache[1, block, head]])
-                    else:
-                        chunk = cache[block, head]
-                    raw = chunk.contiguous().view(torch.uint8).numpy().tobytes()
-                    per_head.append(hashlib.sha256(raw).hexdigest())
-                digests.append(per_head)
+            for head in range(heads):
+                runs = []
+                for block in blocks:
+                    chunk = cache[block, head].contiguous().view(torch.uint8).numpy().tobytes()
+                    runs += _run_digests(chunk, packing, block_size, name)
+                digests.append(runs)
             layers[name] = {"heads": heads, "digests": digests}
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         return {"tp_rank": self.rank % parallel.tensor_parallel_size, "layers": layers}  # type: ignore[attr-defined]
 
 
-def block_digests(url: str, blocks: list[int]) -> list[dict[str, Any]]:
-    """Every TP rank's answer of :meth:`KVProbe.kv_block_digests` from the server at ``url``,
+def _run_digests(chunk: bytes, packing: Any, block_size: int, layer: str) -> list[str]:
+    """The digest of each run of :data:`TOKEN_RUN` tokens of one (block, head) chunk: the run's
+    bytes in every row of the packing (a row holds ``token_bytes`` of each token in order)."""
+    rows, offset = [], 0
+    for group in packing:
+        for _ in range(group.rows):
+            rows.append(
+                (chunk[offset : offset + block_size * group.token_bytes], group.token_bytes)
+            )
+            offset += block_size * group.token_bytes
+    assert offset == len(chunk), f"{layer}: the packing {packing} does not cover the chunk"
+    digests = []
+    for run in range(block_size // TOKEN_RUN):
+        digest = hashlib.sha256()
+        for row, token_bytes in rows:
+            size = TOKEN_RUN * token_bytes
+            digest.update(row[run * size : (run + 1) * size])
+        digests.append(digest.hexdigest())
+    return digests
+
+
+def token_digests(url: str, blocks: list[int]) -> list[dict[str, Any]]:
+    """Every TP rank's answer of :meth:`KVProbe.kv_token_digests` from the server at ``url``,
     in TP rank order."""
     body = {
-        "method": "kv_block_digests",
+        "method": "kv_token_digests",
         "args": [json.dumps({"blocks": blocks})],
         "timeout": 60,
     }
@@ -71,27 +106,22 @@ def block_digests(url: str, blocks: list[int]) -> list[dict[str, Any]]:
 
 def by_global_head(
     ranks: list[dict[str, Any]], layer: str, total_heads: int
-) -> list[dict[int, str]]:
-    """One layer's digests from every TP rank, per block: global KV head -> digest, by vLLM's
-    sharding (rank ``r`` of TP ``T`` holds heads ``r*H/T ..`` when ``T <= H``, else the one head
-    ``r*H//T``, replicated); replicas must agree."""
+) -> dict[int, list[str]]:
+    """One layer's digests from every TP rank by global KV head, vLLM's sharding (rank ``r`` of
+    TP ``T`` holds heads ``r*H/T ..`` when ``T <= H``, else the one head ``r*H//T``,
+    replicated); replicas must agree."""
     tp = len(ranks)
-    blocks: list[dict[int, str]] = []
+    heads: dict[int, list[str]] = {}
     for rank, answer in enumerate(ranks):
         entry = answer["layers"][layer]
         local = entry["heads"]
         expected = total_heads // tp if tp <= total_heads else 1
         assert local == expected, f"{layer}: rank {rank} of {tp} holds {local} heads"
         first = rank * local if tp <= total_heads else rank * total_heads // tp
-        for index, per_head in enumerate(entry["digests"]):
-            if len(blocks) <= index:
-                blocks.append({})
-            for offset, digest in enumerate(per_head):
-                head = first + offset
-                assert blocks[index].setdefault(head, digest) == digest, (
-                    f"{layer}: the replicas of head {head} differ in block {index}"
-                )
-    return blocks
+        for offset, runs in enumerate(entry["digests"]):
+            head = first + offset
+            assert heads.setdefault(head, runs) == runs, f"{layer}: head {head}'s replicas differ"
+    return heads
 
 
 def probed_engines(draft_model: str | None) -> dict:
@@ -113,30 +143,33 @@ def assert_first_pull_byte_exact(
     decode_url: str,
     params: dict[str, Any],
     prompt_tokens: int,
-    block_size: int,
+    decode_block_size: int,
     total_heads: Callable[[str], int],
 ) -> list[str]:
-    """After decode's first request ever (``params``: its hand-off, prefill and decode of equal
-    ``block_size``), decode holds, for every layer, head and block the prompt fills before its
-    last token, exactly the bytes prefill held. Decode's blocks are the pool's first, 1.. (block 0
-    is vLLM's null block): the model's layers comparing equal confirms it. ``total_heads``: a
-    layer's total KV heads. Answers the layers compared."""
-    full = (prompt_tokens - 1) // block_size
-    assert full >= 1, f"a {prompt_tokens}-token prompt fills no {block_size}-token block"
-    held = block_digests(prefill_url, params["remote_block_ids"][:full])
-    pulled = block_digests(decode_url, list(range(1, full + 1)))
+    """After decode's first request ever (``params``: its hand-off), decode holds, for every
+    layer and head, exactly the bytes prefill held for each run of tokens the prompt fills
+    before its last token (the one decode computes itself). Decode's blocks are the pool's
+    first, 1.. (block 0 is vLLM's null block): the model's layers comparing equal confirms it.
+    ``total_heads``: a layer's total KV heads. Answers the layers compared."""
+    runs = (prompt_tokens - 1) // TOKEN_RUN
+    assert runs >= 1, f"a {prompt_tokens}-token prompt fills no {TOKEN_RUN}-token run"
+    decode_blocks = -(-prompt_tokens // decode_block_size)
+    held = token_digests(prefill_url, list(params["remote_block_ids"]))
+    pulled = token_digests(decode_url, list(range(1, decode_blocks + 1)))
     layers = sorted(held[0]["layers"])
     assert layers == sorted(pulled[0]["layers"]), "prefill and decode have different layers"
     for layer in layers:
         total = total_heads(layer)
         source = by_global_head(held, layer, total)
         landed = by_global_head(pulled, layer, total)
-        assert len(source) == full and all(len(block) == total for block in source), layer
+        assert sorted(source) == sorted(landed) == list(range(total)), layer
         differ = [
-            (block, head)
-            for block, heads in enumerate(source)
-            for head in heads
-            if landed[block].get(head) != heads[head]
+            (head, run * TOKEN_RUN)
+            for head in range(total)
+            for run in range(runs)
+            if landed[head][run] != source[head][run]
         ]
-        assert not differ, f"{layer}: decode's (block, head) chunks {differ} differ from prefill's"
+        assert not differ, (
+            f"{layer}: decode's (head, first token) runs {differ} differ from prefill's"
+        )
     return layers
