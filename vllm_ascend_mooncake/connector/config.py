@@ -320,7 +320,8 @@ class ConnectorConfig:
     server_dp_rank: int = 0
     server_dp_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    #: every key's value, in the key's unit, by name (what ``config.<key>`` reads)
+    #: every key's value but the secret's, in the key's unit, by name (what ``config.<key>``
+    #: reads)
     settings: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: the draft (EAGLE/MTP) model's total KV heads, its layers' head group; 0: no draft model
     draft_kv_heads: int = 0
@@ -578,15 +579,16 @@ def parse_config(
 
     protocol = given.get("protocol", default_protocol(device_type))
     settings = _settings(given, protocol)
-    settings["protocol"] = protocol
-    if "side_channel_host" not in given:
-        settings["side_channel_host"] = default_host()
     port = settings["side_channel_port"]
     if port + prefill.dp_size * prefill.tp_size > 65536:
         raise ConnectorConfigError(
             f"side_channel_port {port} leaves no room for {prefill.dp_size * prefill.tp_size} "
             f"prefill workers below 65536"
         )
+    settings["protocol"] = protocol
+    if "side_channel_host" not in given:
+        settings["side_channel_host"] = default_host()
+    del settings["side_channel_secret"]  # kept as bytes (the field), not again as text
     receiver = ReceiverOptions(
         **option_fields(ReceiverOptions, settings),
         claim_park_s=min(CLAIM_PARK_S, settings["side_channel_timeout_s"] / 2),

@@ -19,7 +19,7 @@ from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
-from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeTransport
+from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeOptions, MooncakeTransport
 from ..datapath.pairing import PairingProbes
 from ..datapath.peers import PeerDirectory
 from ..datapath.receiver import Receiver, ReceiverOptions
@@ -109,17 +109,17 @@ def decode_settings(
 
 
 def create_transport(
-    kind: str,
-    hostname: str,
-    protocol: str,
-    device_name: str = "",
-    device_type: str = "cpu",
-    read_wait: str | None = None,
+    kind: str, hostname: str, mooncake: MooncakeOptions, device_type: str = "cpu"
 ) -> Transport:
-    """The transport the configuration names (``transport`` key), started on ``hostname``."""
+    """The transport the configuration names (``transport`` key), started on ``hostname`` with
+    the keys it declares (``mooncake``)."""
     if kind == "mooncake":
         return MooncakeTransport(
-            hostname, protocol, device_name, device_type=device_type, read_wait=read_wait
+            hostname,
+            mooncake.protocol,
+            mooncake.device_name,
+            device_type=device_type,
+            read_wait=mooncake.read_wait,
         )
     raise TransportSetupError(f"transport must be one of {TRANSPORTS}, not {kind!r}")
 

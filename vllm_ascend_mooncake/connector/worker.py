@@ -201,10 +201,8 @@ class ConnectorWorker:
         self.transport = create_transport(
             config.transport,
             config.side_channel_host,
-            config.mooncake.protocol,
-            config.mooncake.device_name,
+            config.mooncake,
             device_type=current_platform.device_type,
-            read_wait=config.mooncake.read_wait,
         )
         who = WorkerIdentity(
             engine_id=config.engine_id,
