@@ -190,8 +190,8 @@ def option(
     is not one value (the field then has no default, or ``default`` where it is used without a
     configuration). ``key``: the key's name, if not the field's; ``key_type``: its type, if not
     the field's; ``scale``: field units per key unit; ``repr``: as :func:`dataclasses.field`'s.
-    ``declaration``: the rest of
-    :class:`Option` (``details``, ``unit``, ``bound``, ``aliases``, ...)."""
+    ``declaration``: the rest of :class:`Option` (``details``, ``unit``, ``bound``,
+    ``aliases``, ...)."""
     if computed is not None:
         key_default = computed
     elif default is dataclasses.MISSING:
