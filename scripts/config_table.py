@@ -1,5 +1,5 @@
 """The key table of docs/configuration.md, generated from ``KEYS`` in
-``vllm_ascend_mooncake/connector/config.py`` (where each key is declared once).
+``vllm_ascend_mooncake/connector/config.py`` (the keys as declared where they are read).
 
     python scripts/config_table.py           # print the table
     python scripts/config_table.py --write   # rewrite it between the markers in the docs
@@ -16,7 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "configuration.md"
 sys.path.insert(0, str(REPO))
 
-from vllm_ascend_mooncake.connector.keys import key_table_markdown, with_key_table  # noqa: E402
+from vllm_ascend_mooncake.connector.config import (  # noqa: E402
+    key_table,
+    with_generated_key_table,
+)
 
 
 def main() -> int:
@@ -26,10 +29,10 @@ def main() -> int:
     action.add_argument("--check", action="store_true", help=f"check the table in {DOCS}")
     args = parser.parse_args()
     if not (args.write or args.check):
-        sys.stdout.write(key_table_markdown())
+        sys.stdout.write(key_table())
         return 0
     current = DOCS.read_text()
-    generated = with_key_table(current)
+    generated = with_generated_key_table(current)
     if args.check:
         if generated != current:
             print(f"{DOCS} is out of date: run python scripts/config_table.py --write")

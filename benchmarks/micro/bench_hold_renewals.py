@@ -19,14 +19,17 @@ import threading
 import time
 
 from benchmarks.common import add_json_arg, make_parser, write_json
+from vllm_ascend_mooncake.connector.config import ConnectorConfig
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.prefill_service import PrefillSender
 from vllm_ascend_mooncake.datapath.sender import SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
-from vllm_ascend_mooncake.defaults import DEFAULT_RELEASE_TIMEOUT_S
 from vllm_ascend_mooncake.launch.ports import free_port_range
+from vllm_ascend_mooncake.options import default_of
 from vllm_ascend_mooncake.proxy import holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
+
+DEFAULT_RELEASE_TIMEOUT_S = default_of(ConnectorConfig, "release_timeout_s")
 
 HOST = "127.0.0.1"
 

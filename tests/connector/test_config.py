@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_ascend_mooncake.connector.config import draft_model_kv_heads, parse_config
-from vllm_ascend_mooncake.connector.keys import SECRET_ENV, ConnectorConfigError
+from vllm_ascend_mooncake.names import SECRET_ENV
+from vllm_ascend_mooncake.options import ConnectorConfigError
 
 
 def config(**overrides):
@@ -192,8 +194,7 @@ def test_vllms_kv_port_field_is_read_as_the_side_channel_port(config_log) -> Non
 def test_kv_port_is_read_only_when_it_differs_from_vllms_default() -> None:
     from vllm.config import KVTransferConfig
 
-    from vllm_ascend_mooncake.connector.keys import VLLM_DEFAULT_KV_PORT
-    from vllm_ascend_mooncake.connector.migration import explicit_kv_port
+    from vllm_ascend_mooncake.connector.migration import VLLM_DEFAULT_KV_PORT, explicit_kv_port
 
     def transfer(**fields):
         return KVTransferConfig(
@@ -393,7 +394,7 @@ def test_a_prefill_engine_beyond_the_declared_dp_size_is_refused() -> None:
 
 
 def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
-    from vllm_ascend_mooncake.defaults import PROTOCOLS
+    from vllm_ascend_mooncake.datapath.mooncake import PROTOCOLS
 
     for protocol in PROTOCOLS:
         assert config(extra={"protocol": protocol}).protocol == protocol
@@ -402,72 +403,72 @@ def test_every_accepted_protocol_is_named_when_one_is_refused() -> None:
     assert all(protocol in str(refused.value) for protocol in PROTOCOLS)
 
 
-def test_defaults_are_the_config_constants_and_the_options_defaults() -> None:
+def test_defaults_are_the_declared_ones_and_the_options_defaults() -> None:
     """One definition per default: what parse_config fills in, and what the data path's option
-    dataclasses default to, are the constants of defaults.py."""
-    from vllm_ascend_mooncake import defaults as c
+    dataclasses default to, are the defaults declared with each key (where it is read)."""
+    from vllm_ascend_mooncake.connector.config import KEYS_BY_NAME
     from vllm_ascend_mooncake.core.plan import PlanOptions
-    from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
+    from vllm_ascend_mooncake.datapath import mooncake
+    from vllm_ascend_mooncake.datapath.receiver import CLAIM_PARK_S, ReceiverOptions
 
+    def declared(name: str, protocol: str = "tcp"):
+        default = KEYS_BY_NAME[name].default
+        return default.of_protocol(protocol) if hasattr(default, "of_protocol") else default
+
+    names = (
+        "device_name",
+        "side_channel_port",
+        "release_timeout_s",
+        "side_channel_timeout_s",
+        "claim_wait_s",
+        "prefill_wait_s",
+        "read_retries",
+        "max_descriptors_per_batch",
+        "max_descriptor_kib",
+        "coalesce_runs",
+        "block_reads_from_kib",
+        "receiver_threads",
+        "staging_buffer_mib",
+        "read_wait",
+        "idle_step_wait_ms",
+    )
     cfg = config(extra={"prefill": {"tp_size": 2}, "decode": {"tp_size": 1}, "protocol": "tcp"})
-    assert (
-        cfg.device_name,
-        cfg.side_channel_port,
-        cfg.release_timeout_s,
-        cfg.side_channel_timeout_s,
-        cfg.claim_wait_s,
-        cfg.prefill_wait_s,
-        cfg.read_retries,
-        cfg.max_descriptors_per_batch,
-        cfg.max_descriptor_kib,
-        cfg.coalesce_runs,
-        cfg.block_reads_from_kib,
-        cfg.receiver_threads,
-        cfg.staging_buffer_mib,
-        cfg.read_wait,
-        cfg.idle_step_wait_ms,
-    ) == (
-        c.DEFAULT_DEVICE_NAME,
-        c.DEFAULT_SIDE_CHANNEL_PORT,
-        c.DEFAULT_RELEASE_TIMEOUT_S,
-        c.DEFAULT_SIDE_CHANNEL_TIMEOUT_S,
-        c.DEFAULT_CLAIM_WAIT_S,
-        c.DEFAULT_PREFILL_WAIT_S,
-        c.DEFAULT_READ_RETRIES,
-        c.DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
-        c.TCP_MAX_DESCRIPTOR_KIB,
-        c.DEFAULT_COALESCE_RUNS,
-        c.TCP_BLOCK_READS_FROM_KIB,
-        c.DEFAULT_RECEIVER_THREADS,
-        c.DEFAULT_STAGING_BUFFER_MIB,
-        c.default_read_wait("tcp"),
-        c.DEFAULT_IDLE_STEP_WAIT_MS,
-    )
-    rdma = config(extra={"protocol": "rdma"})
-    assert (rdma.max_descriptor_kib, rdma.block_reads_from_kib, rdma.read_wait) == (0, 0, "sync")
-    assert config(device_type="npu").protocol == c.DEFAULT_PROTOCOLS["npu"]
-    assert config(device_type="tpu").protocol == c.FALLBACK_PROTOCOL
-
-    receiver, plan = ReceiverOptions(), PlanOptions()
-    assert plan.max_descriptors_per_batch == receiver.max_descriptors_per_batch == 1024
-    assert plan.coalesce_runs is receiver.coalesce_runs is c.DEFAULT_COALESCE_RUNS
-    assert receiver.num_threads == c.DEFAULT_RECEIVER_THREADS
-    assert (receiver.claim_wait_s, receiver.prefill_wait_s, receiver.read_retries) == (
-        c.DEFAULT_CLAIM_WAIT_S,
-        c.DEFAULT_PREFILL_WAIT_S,
-        c.DEFAULT_READ_RETRIES,
-    )
-    assert receiver.claim_park_s == c.DEFAULT_CLAIM_PARK_S == cfg.claim_park_s
-    # The values these defaults had before they were given one definition.
-    assert (c.DEFAULT_CLAIM_WAIT_S, c.DEFAULT_PREFILL_WAIT_S, c.DEFAULT_READ_RETRIES) == (
+    assert tuple(getattr(cfg, name) for name in names) == tuple(declared(n) for n in names)
+    # The values these defaults had before they were declared where they are read.
+    assert tuple(declared(name) for name in names) == (
+        "",
+        36100,
+        120.0,
+        10.0,
         10.0,
         120.0,
         1,
-    )
-    assert (c.TCP_MAX_DESCRIPTOR_KIB, c.TCP_BLOCK_READS_FROM_KIB, c.DEFAULT_RECEIVER_THREADS) == (
         1024,
+        1024,
+        True,
         256,
         4,
+        64,
+        "poll",
+        10.0,
+    )
+    rdma = config(extra={"protocol": "rdma"})
+    assert (rdma.max_descriptor_kib, rdma.block_reads_from_kib, rdma.read_wait) == (0, 0, "sync")
+    assert config(device_type="npu").protocol == mooncake.DEFAULT_PROTOCOLS["npu"] == "ascend"
+    assert config(device_type="tpu").protocol == mooncake.FALLBACK_PROTOCOL == "tcp"
+
+    receiver, plan = ReceiverOptions(), PlanOptions()
+    assert plan.max_descriptors_per_batch == receiver.max_descriptors_per_batch == 1024
+    assert plan.coalesce_runs is receiver.coalesce_runs is declared("coalesce_runs")
+    assert receiver.num_threads == declared("receiver_threads")
+    assert (receiver.claim_wait_s, receiver.prefill_wait_s, receiver.read_retries) == (
+        declared("claim_wait_s"),
+        declared("prefill_wait_s"),
+        declared("read_retries"),
+    )
+    assert receiver.claim_park_s == CLAIM_PARK_S == cfg.claim_park_s == 1.0
+    assert cfg.receiver == replace(
+        ReceiverOptions(), max_descriptor_bytes=1 << 20, block_reads_from_bytes=256 << 10
     )
 
 
@@ -492,13 +493,13 @@ def test_sizes_and_waits_in_the_units_the_data_path_uses() -> None:
 
 
 def _declared(name):
-    from vllm_ascend_mooncake.connector.keys import KEYS
+    from vllm_ascend_mooncake.connector.config import KEYS
 
     return next(key for key in KEYS if key.name == name)
 
 
 def _table_checked_keys():
-    from vllm_ascend_mooncake.connector.keys import KEYS
+    from vllm_ascend_mooncake.connector.config import KEYS
 
     return [key.name for key in KEYS if not key.own_check]
 
@@ -543,7 +544,7 @@ def test_a_value_out_of_bounds_is_refused_naming_the_key_and_bound(name, value, 
 
 def test_every_bound_is_declared_on_the_keys_it_checks() -> None:
     """Every key the table checks by value has a bound, or says why not (a type says it all)."""
-    from vllm_ascend_mooncake.connector.keys import KEYS
+    from vllm_ascend_mooncake.connector.config import KEYS
 
     unbounded = {key.name for key in KEYS if key.bound is None and not key.own_check}
     assert unbounded == {
@@ -567,11 +568,12 @@ def test_values_that_meant_the_default_still_do(name) -> None:
 
 
 def test_the_declared_plain_defaults_are_what_parse_config_fills_in() -> None:
-    from vllm_ascend_mooncake.connector.config import ConnectorConfig
-    from vllm_ascend_mooncake.connector.keys import KEYS, Computed
+    from vllm_ascend_mooncake.connector.config import KEYS, ConnectorConfig
+    from vllm_ascend_mooncake.options import Computed
 
     fields = set(ConnectorConfig.__dataclass_fields__)
-    plain = [k for k in KEYS if not isinstance(k.default, Computed) and k.name in fields]
+    plain = [k for k in KEYS if not isinstance(k.default, Computed)]
+    assert {k.name for k in plain} - fields  # the parts' keys too, read under their names
     assert len(plain) >= 10
     cfg = config()
     for key in plain:
@@ -587,7 +589,8 @@ def test_every_key_names_its_parts_and_each_part_is_of_its_kind() -> None:
     """After the default, a key's parts are named where declared: a value cannot slide into
     another's column (the ``max_descriptors_per_batch`` row once showed a default as its
     meaning and its details as its unit)."""
-    from vllm_ascend_mooncake.connector.keys import KEYS, Key
+    from vllm_ascend_mooncake.connector.config import KEYS
+    from vllm_ascend_mooncake.options import Option as Key
 
     for key in KEYS:
         assert isinstance(key.summary, str) and key.summary.endswith("."), key.name
@@ -599,8 +602,7 @@ def test_every_key_names_its_parts_and_each_part_is_of_its_kind() -> None:
 
 def test_other_connectors_keys_are_declared_with_ours() -> None:
     """Each alias is declared on the key it is read as, once."""
-    from vllm_ascend_mooncake.connector.keys import KEYS
-    from vllm_ascend_mooncake.connector.migration import RENAMED_KEYS
+    from vllm_ascend_mooncake.connector.config import KEYS, RENAMED_KEYS
 
     aliases = [alias.name for key in KEYS for alias in key.aliases]
     assert len(aliases) == len(set(aliases))

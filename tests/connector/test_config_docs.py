@@ -12,14 +12,10 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_mooncake.connector.config import parse_config
-from vllm_ascend_mooncake.connector.keys import (
-    KEY_TABLE_BEGIN,
-    KEY_TABLE_END,
-    KEYS_BY_NAME,
-    key_table_markdown,
-)
-from vllm_ascend_mooncake.defaults import default_protocol
+from vllm_ascend_mooncake.connector.config import KEYS_BY_NAME, parse_config
+from vllm_ascend_mooncake.connector.config import key_table as key_table_markdown
+from vllm_ascend_mooncake.datapath.mooncake import default_protocol
+from vllm_ascend_mooncake.options import KEY_TABLE_BEGIN, KEY_TABLE_END
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

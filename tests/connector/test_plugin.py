@@ -9,8 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector
-from vllm_ascend_mooncake.connector.keys import CONNECTOR_NAME
 from vllm_ascend_mooncake.connector.plugin import register
+from vllm_ascend_mooncake.names import CONNECTOR_NAME
 
 
 def test_installed_as_a_vllm_general_plugin() -> None:

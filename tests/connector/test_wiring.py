@@ -229,7 +229,7 @@ def test_built_sides_advertise_their_memory_and_move_a_request() -> None:
 
 
 def test_the_transport_key_names_a_known_transport() -> None:
-    from vllm_ascend_mooncake.connector.keys import ConnectorConfigError
+    from vllm_ascend_mooncake.options import ConnectorConfigError
 
     assert config().transport == "mooncake"
     with pytest.raises(ConnectorConfigError, match=r"\['transport'\] must be one of mooncake"):

@@ -1,12 +1,14 @@
 """``kv_connector_extra_config`` and the engine config -> one validated, frozen connector config.
 
-Every key is declared once, in :data:`.keys.KEYS`: its type, default (from :mod:`..defaults`),
-unit, bound, description and the other connectors' spellings of it. :func:`parse_config` checks
-the keys against it, and the key table of ``docs/configuration.md`` is generated from it
-(``python scripts/config_table.py --write``; ``tests/connector/test_config_docs.py`` fails when
-they differ). Unknown keys, wrong types, values out of bounds and sizes that do not match the
-running engine are refused at start-up with a message that names the key, so a typo cannot
-silently fall back to a default.
+Every key is declared once, where it is read: as a field of :class:`ConnectorConfig`, or of the
+options of a data-path part it is composed of (``ReceiverOptions``, ``MooncakeOptions``), with
+:func:`..options.option`: its type, default, unit, bound, description and the other connectors'
+spellings of it. :data:`KEYS` collects them; :func:`parse_config` checks the keys against it, and
+the key table of ``docs/configuration.md`` is generated from it (``python
+scripts/config_table.py --write``; ``tests/connector/test_config_docs.py`` fails when they
+differ). Unknown keys, wrong types, values out of bounds and sizes that do not match the running
+engine are refused at start-up with a message that names the key, so a typo cannot silently fall
+back to a default.
 
 Keys of vllm-ascend's ``MooncakeConnectorV1`` and vLLM's ``MooncakeConnector`` are read under our
 names or refused saying why before that (:mod:`.migration`, ``docs/migration.md``).
@@ -17,38 +19,47 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.topology import TopologyError, TransferTopology
-from ..defaults import (
-    DEFAULT_CLAIM_PARK_S,
-    DEFAULT_IDLE_STEP_WAIT_MS,
-    DEFAULT_PAIR_WAIT_S,
-    DEFAULT_TRANSPORT,
-    FALLBACK_PROTOCOL,
-    default_protocol,
-    default_read_wait,
-)
+from ..datapath.mooncake import MooncakeOptions, default_protocol
+from ..datapath.pairing import parse_endpoints
+from ..datapath.receiver import CLAIM_PARK_S, ReceiverOptions
+from ..datapath.transport import TRANSPORTS
 from ..log import get_logger
-from .keys import (
-    CONNECTOR_NAME,
-    KEYS,
-    KEYS_BY_NAME,
-    MIN_SECRET_CHARS,
-    SECRET_ENV,
+from ..names import CONNECTOR_NAME, SECRET_ENV, VLLM_ASCEND
+from ..options import (
+    MIB,
+    PORT,
+    POSITIVE,
+    Alias,
+    Bound,
     Computed,
     ConnectorConfigError,
-    Key,
+    Option,
+    declared_options,
+    key_table_markdown,
+    one_of,
+    option,
+    option_fields,
+    part,
+    with_key_table,
 )
-from .migration import PIPELINE_KEYS, explicit_kv_port, migrate_keys, refuse_pipeline
+from .migration import (
+    PIPELINE_KEYS,
+    VLLM_DEFAULT_KV_PORT,
+    explicit_kv_port,
+    migrate_keys,
+    port_number,
+    refuse_pipeline,
+    renamed_keys,
+)
 from .params import MAX_TRANSFER_ID_CHARS
+from .prefill_pairings import PAIRING_WAIT_S
 from .vllm_compat import data_parallel_index
 
-#: Bytes per unit of the ``*_kib`` / ``*_mib`` keys (see the ``*_bytes`` properties of
-#: :class:`ConnectorConfig`, the one place they are converted).
-KIB = 1 << 10
-MIB = 1 << 20
+MIN_SECRET_CHARS = 16
 
 
 def _log() -> logging.Logger:
@@ -64,40 +75,243 @@ class InstanceSizes:
     dp_size: int = 1
 
 
-@dataclass(frozen=True)
+def _endpoints_ok(text: str) -> bool:
+    try:
+        parse_endpoints(text)
+    except ValueError:
+        return False
+    return True
+
+
+ENDPOINTS = Bound(
+    "comma-separated host:port",
+    _endpoints_ok,
+    "comma-separated `host:port`",
+    "{where} must be comma-separated host:port entries (IPv6 hosts in brackets), got {value!r}",
+)
+_SIZES_ALLOWED = "`tp_size` and `dp_size` > 0"
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConnectorConfig:
+    """The connector's configuration: its own keys, declared here in the order the docs list
+    them, the parts' keys where the part is (:func:`..options.part`), and what the engine says."""
+
     role: str  # "producer" (prefill) or "consumer" (decode)
     engine_id: str
-    prefill: InstanceSizes
-    decode: InstanceSizes
+    prefill: InstanceSizes = option(
+        key_type=dict,
+        computed=Computed("the local TP, DP 1"),
+        summary="sizes of the prefill instance.",
+        details=(
+            "The local side's values must equal the engine's own `--tensor-parallel-size` / "
+            "`--data-parallel-size`. A data-parallel prefill must declare its `dp_size`: vLLM runs "
+            "each engine of a dense model as an independent DP 1 engine, so the connector learns "
+            "the engine's rank from vLLM but the number of engines only from here (an engine beyond"
+            " `dp_size` is refused at start-up, since it would share another's side-channel ports)."
+        ),
+        own_check=True,
+        type_markdown='`{"tp_size": int, "dp_size": int}`',
+        allowed=_SIZES_ALLOWED,
+    )
+    decode: InstanceSizes = option(
+        key_type=dict,
+        computed=Computed("the local TP, DP 1"),
+        summary="sizes of the decode instance.",
+        details=(
+            "The remote side's size is the one expected, not the only one served: a decode instance"
+            " reads prefill instances of any TP size it can pair with (each request's params name "
+            "its prefill's), and a prefill instance serves decode instances of any TP size it can "
+            "pair with (learned from the first claim of each transfer), except a prefill that "
+            "replicates KV heads (TP larger than the head count), which serves its `decode.tp_size`"
+            " only. The `prefill` sizes must still agree for `dp_size`."
+        ),
+        own_check=True,
+        type_markdown="same",
+        allowed=_SIZES_ALLOWED,
+    )
+    transport: str = option(
+        "mooncake",
+        summary="what moves the KV bytes between instances.",
+        details=(
+            "Only the Mooncake Transfer Engine today; the data path reaches it through one seam "
+            "(`datapath/transport.py`), where another would be added."
+        ),
+        bound=one_of(TRANSPORTS),
+    )
+    #: protocol, device_name, read_wait: how the Mooncake transport is started
+    mooncake: MooncakeOptions = part()
+    side_channel_host: str = option(
+        computed=Computed(
+            "`$VLLM_HOST_IP`, else the host's address as vLLM picks it (`get_ip()`), else "
+            "`127.0.0.1`"
+        ),
+        summary="address workers listen on and advertise (the KV side channel and Mooncake).",
+        details=(
+            "Decode connects to the one prefill advertises; a decode instance with a network "
+            "address warns once per prefill that advertises loopback (a multi-host deployment whose"
+            " prefill kept a loopback setting)."
+        ),
+    )
+    side_channel_port: int = option(
+        36100,
+        summary=(
+            "base port of the prefill side channel: prefill DP rank `d`, TP rank `r` listens on "
+            "`port + d*tp_size + r`."
+        ),
+        details="The ports of every prefill worker must lie below 65536. Only prefill listens, so "
+        "only prefill needs it: decode has no port of its own and takes the prefill's host and "
+        "base port from the `remote_host` and `remote_port` of the `kv_transfer_params` the proxy "
+        "forwards (the base port of the prefill's DP rank), adding the prefill TP rank it reads. "
+        "On decode the value is only range-checked. vLLM's top-level "
+        "`kv_transfer_config.kv_port` (what vllm-ascend uses for this) is read as "
+        f"`side_channel_port` when it is not vLLM's default {VLLM_DEFAULT_KV_PORT}, with a "
+        "warning; both set to different values is an error. Keep the range clear of Mooncake's "
+        "TCP ports (15000\N{EN DASH}17000) and, on Ascend, of ADXL's range "
+        "(20000 + 1000·NPUs per node).",
+        bound=PORT,
+        # vllm-ascend reads kv_port from kv_transfer_config (migration.explicit_kv_port); one
+        # copied into the extra config is read the same way. There it is the base port of
+        # prefill's side channel: DP rank d, TP rank r listens on kv_port + d*tp_size + r.
+        aliases=(
+            Alias(
+                "kv_port",
+                VLLM_ASCEND,
+                port_number,
+                "only prefill listens on it; decode takes the prefill's port from "
+                "kv_transfer_params",
+            ),
+        ),
+    )
+    #: decode: the prefill instances to pair with at start-up (``host:port,...``; "": none)
+    prefill_side_channels: str = option(
+        "",
+        summary=(
+            "decode only: the prefill instances this decode instance reads, as their "
+            "`side_channel_host:side_channel_port`; decode pairs with every worker of each at "
+            "start-up."
+        ),
+        details=(
+            "A prefill it cannot read (another model or dtype, block sizes neither dividing the "
+            "other, TP sizes that do not pair, ...) stops decode's start-up with the reason and "
+            "what to change, instead of failing its first request with HTTP 500; one that does not "
+            "answer within `pair_wait_s` is paired on its first request (warning). Empty: every "
+            "prefill is paired on its first request. Prefills not listed are still served."
+        ),
+        bound=ENDPOINTS,
+    )
+    #: How long a decode worker's start-up waits for each prefill of ``prefill_side_channels`` to
+    #: answer before serving without it (prefill and decode are often started together, and a
+    #: prefill's side channel listens once its KV cache is allocated).
+    pair_wait_s: float = option(
+        120.0,
+        summary=(
+            "how long decode's start-up waits for each prefill of `prefill_side_channels` to "
+            "answer."
+        ),
+        unit="s",
+        bound=POSITIVE,
+    )
+    #: decode: hold a prefill engine's first request until paired (datapath/pairing.py)
+    pair_before_pull: bool = option(
+        True,
+        summary=(
+            "decode only: hold the first request from a prefill engine not paired yet until "
+            "decode has handshaken with every rank of it."
+        ),
+        details=(
+            "A prefill this decode cannot read (another model or dtype, block sizes neither "
+            "dividing the other, TP sizes that do not pair, ...) then costs that request nothing:"
+            " it is computed here, as every later request of that prefill engine is, instead of "
+            "failing with HTTP 500 under vLLM's default `kv_load_failure_policy`. The handshake "
+            "is what the first pull would do anyway; a prefill that does not answer within "
+            f"{PAIRING_WAIT_S:g} s is left to the pull. false: the first pull pairs."
+        ),
+    )
+    release_timeout_s: float = option(
+        120.0,
+        summary=(
+            "prefill releases the blocks of a request no decode rank finished reading after this "
+            "long."
+        ),
+        details=(
+            "Read leases renew it, but a transfer is never held longer than "
+            "4 \N{MULTIPLICATION SIGN} `release_timeout_s` in all, however often it is claimed."
+        ),
+        unit="s",
+        bound=POSITIVE,
+    )
+    side_channel_timeout_s: float = option(
+        10.0,
+        summary="timeout of one side-channel exchange (metadata fetch, read-done notification).",
+        unit="s",
+        bound=POSITIVE,
+    )
+    #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
+    side_channel_secret: bytes | None = option(
+        None,
+        key_type=str,
+        computed=Computed(f"`${SECRET_ENV}`, else none"),
+        repr=False,
+        summary=f"a secret shared by prefill and decode (at least {MIN_SECRET_CHARS} "
+        "characters): every side-channel message then carries an HMAC-SHA256 of its bytes.",
+        details=(
+            "A peer without the secret is refused with a log line naming the setting. Prefer the "
+            "environment variable: vLLM logs `kv_connector_extra_config` at start-up. It "
+            "authenticates, it does not encrypt."
+        ),
+        allowed=f'at least {MIN_SECRET_CHARS} characters; `""`: none',
+    )
+    #: claim_wait_s ... receiver_threads: how decode reads
+    receiver: ReceiverOptions = part()
+    staging_buffer_mib: int = option(
+        64,
+        summary=(
+            "decode staging buffer, allocated only when a decode rank can read a slice of token-"
+            "major prefill blocks (prefill TP < decode TP with an `LBNHC`-style cache) or prefill "
+            "blocks of another size from a head-major cache of known packing (vLLM CPU), which are "
+            "cut by token through it. It is split into up to 4 areas of at least 32 MiB, one per "
+            "request in flight; prefill ranks a request reads in parallel share its area."
+        ),
+        unit="MiB",
+        bound=POSITIVE,
+    )
+    #: In an engine step that runs no tokens, how long a worker waits for a transfer to end. vLLM
+    #: steps in a loop while a request only waits for KV (decode) or holds blocks for readers
+    #: (prefill); each step costs the engine core and the workers CPU (and a shared-memory
+    #: busy-wait), which on hosts where instances share cores is taken from the other instance's
+    #: forward. A transfer that ends wakes the wait at once; a request arriving meanwhile waits
+    #: for the step to end, so this bounds that delay too.
+    idle_step_wait_ms: float = option(
+        10.0,
+        summary=(
+            "in an engine step that runs no tokens (a decode request only waiting for its KV, "
+            "prefill only holding blocks for readers), how long each worker waits for a transfer to"
+            " end before the step returns; a transfer that ends wakes it at once."
+        ),
+        details=(
+            "Longer waits mean fewer such steps and less CPU (0.5 cores at 10 ms, 0.17 at 50 ms for"
+            " one waiting decode request on a 2-core host), but a request arriving meanwhile waits "
+            "for the step to end. Raise it (e.g. 50) where prefill and decode share cores "
+            "(docs/deploy-single-host.md)."
+        ),
+        unit="ms",
+        bound=POSITIVE,
+    )
+    #: not read here: vllm-ascend's NPU worker reads it from the same dict
+    ascend_local_comm_res_path: str | None = option(
+        None,
+        key_type=str,
+        computed=Computed("none"),
+        summary=(
+            "not read by this connector: vllm-ascend's NPU worker reads it on A5 machines (the "
+            "directory of its `ub_endpoint_npu_*.json` files) from `kv_connector_extra_config`, "
+            "whichever connector runs, so it is accepted and passed through."
+        ),
+    )
     num_kv_heads: int
     is_mla: bool
     block_size: int
-    protocol: str
-    device_name: str
-    side_channel_host: str
-    side_channel_port: int
-    release_timeout_s: float
-    side_channel_timeout_s: float
-    claim_wait_s: float
-    prefill_wait_s: float
-    read_retries: int
-    max_descriptors_per_batch: int
-    max_descriptor_kib: int
-    coalesce_runs: bool
-    block_reads_from_kib: int
-    receiver_threads: int
-    staging_buffer_mib: int
-    #: decode: the prefill instances to pair with at start-up (``host:port,...``; "": none)
-    verify_reads: bool = False
-    prefill_side_channels: str = ""
-    pair_wait_s: float = DEFAULT_PAIR_WAIT_S
-    #: decode: hold a prefill engine's first request until paired (datapath/pairing.py)
-    pair_before_pull: bool = True
-    read_wait: str = default_read_wait(FALLBACK_PROTOCOL)
-    transport: str = DEFAULT_TRANSPORT
-    #: in an engine step that runs no tokens, how long a worker waits for a transfer to end
-    idle_step_wait_ms: float = DEFAULT_IDLE_STEP_WAIT_MS
     dp_rank: int = 0
     #: This engine's index among the data-parallel engines its API server fronts, and how many
     #: those are: what vLLM's ``X-data-parallel-rank`` header takes. The global DP rank with
@@ -105,11 +319,20 @@ class ConnectorConfig:
     #: ``--data-parallel-external-lb``, whose API servers front only their node's engines.
     server_dp_rank: int = 0
     server_dp_size: int = 1
-    #: HMAC key of every side-channel message; None: unauthenticated. Kept out of reprs.
-    side_channel_secret: bytes | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: every key's value but the secret's, in the key's unit, by name (what ``config.<key>``
+    #: reads)
+    settings: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: the draft (EAGLE/MTP) model's total KV heads, its layers' head group; 0: no draft model
     draft_kv_heads: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        """A key by its name (``config.read_retries``), in the key's unit, also where a part
+        holds it (``config.receiver.read_retries``, the typed way)."""
+        settings = self.__dict__.get("settings", {})
+        if name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -133,12 +356,12 @@ class ConnectorConfig:
     @property
     def max_descriptor_bytes(self) -> int:
         """``max_descriptor_kib`` in bytes (0: never split)."""
-        return self.max_descriptor_kib * KIB
+        return self.receiver.max_descriptor_bytes
 
     @property
     def block_reads_from_bytes(self) -> int:
         """``block_reads_from_kib`` in bytes (0: never)."""
-        return self.block_reads_from_kib * KIB
+        return self.receiver.block_reads_from_bytes
 
     @property
     def staging_buffer_bytes(self) -> int:
@@ -153,7 +376,7 @@ class ConnectorConfig:
     @property
     def claim_park_s(self) -> float:
         """How long a prefill may hold a pending claim open: at most half an exchange's timeout."""
-        return min(DEFAULT_CLAIM_PARK_S, self.side_channel_timeout_s / 2)
+        return self.receiver.claim_park_s
 
     def side_channel_base_port(self, dp_rank: int | None = None) -> int:
         """Port of TP rank 0 of a prefill DP rank; TP rank ``r`` listens on base + ``r``."""
@@ -161,10 +384,26 @@ class ConnectorConfig:
         return self.side_channel_port + rank * self.prefill.tp_size
 
 
-# -- the keys of kv_connector_extra_config, declared once -----------------------------------------
+# -- the keys of kv_connector_extra_config, declared where they are read -------------------------
+
+#: Every key of ``kv_connector_extra_config``, in the order docs/configuration.md lists them.
+KEYS: tuple[Option, ...] = declared_options(ConnectorConfig)
+KEYS_BY_NAME: dict[str, Option] = {key.name: key for key in KEYS}
+#: Other connectors' keys -> (our key, how it is read), from the aliases the keys declare.
+RENAMED_KEYS = renamed_keys(KEYS)
 
 
-def _typed(key: Key, value: Any) -> Any:
+def key_table() -> str:
+    """The key table of docs/configuration.md (``python scripts/config_table.py --write``)."""
+    return key_table_markdown(KEYS)
+
+
+def with_generated_key_table(markdown: str) -> str:
+    """``markdown`` (docs/configuration.md) with the key table regenerated."""
+    return with_key_table(markdown, key_table())
+
+
+def _typed(key: Option, value: Any) -> Any:
     """``value`` if it has the key's type (an int is read as a float where a float is due)."""
     if key.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -189,6 +428,20 @@ def _given(extra: dict[str, Any]) -> dict[str, Any]:
             raise key.bound.refuse(f"kv_connector_extra_config[{key.name!r}]", value)
         given[key.name] = value
     return given
+
+
+def _settings(given: dict[str, Any], protocol: str) -> dict[str, Any]:
+    """Every key checked by the table, given or defaulted (a default computed by code of its own
+    in :func:`parse_config` is None here)."""
+
+    def setting(key: Option) -> Any:
+        if key.name in given:
+            return given[key.name]
+        if isinstance(key.default, Computed):
+            return key.default.of_protocol(protocol) if key.default.of_protocol else None
+        return key.default
+
+    return {key.name: setting(key) for key in KEYS if not key.own_check}
 
 
 def default_host() -> str:
@@ -247,17 +500,6 @@ def _sizes(extra: dict[str, Any], side: str, default_tp: int) -> InstanceSizes:
     return InstanceSizes(tp, dp)
 
 
-#: Keys that are :class:`ConnectorConfig` fields of the same name, filled from :data:`KEYS` by
-#: :func:`parse_config` (the others have code of their own there).
-_PLAIN_FIELDS = tuple(
-    key.name
-    for key in KEYS
-    if key.name in {f.name for f in fields(ConnectorConfig)}
-    and not key.own_check
-    and not (isinstance(key.default, Computed) and key.default.of_protocol is None)
-)
-
-
 def parse_config(
     *,
     kv_role: str,
@@ -282,7 +524,7 @@ def parse_config(
     ``(index, count)`` among those its API server fronts (:func:`server_dp_position`).
     ``draft_kv_heads``: the draft (EAGLE/MTP) model's total KV heads (0: none), a head group of
     its own when it differs from ``num_kv_heads``."""
-    extra = migrate_keys(dict(extra or {}), kv_port)
+    extra = migrate_keys(dict(extra or {}), kv_port, RENAMED_KEYS)
     unknown = sorted(set(extra) - set(KEYS_BY_NAME))
     if unknown:
         known = ", ".join(sorted(KEYS_BY_NAME))
@@ -336,39 +578,37 @@ def parse_config(
         raise ConnectorConfigError(f"cannot pair these instances: {exc}") from exc
 
     protocol = given.get("protocol", default_protocol(device_type))
-
-    def setting(name: str) -> Any:
-        if name in given:
-            return given[name]
-        default = KEYS_BY_NAME[name].default
-        return default.of_protocol(protocol) if isinstance(default, Computed) else default
-
-    settings = {name: setting(name) for name in _PLAIN_FIELDS}
+    settings = _settings(given, protocol)
     port = settings["side_channel_port"]
     if port + prefill.dp_size * prefill.tp_size > 65536:
         raise ConnectorConfigError(
             f"side_channel_port {port} leaves no room for {prefill.dp_size * prefill.tp_size} "
             f"prefill workers below 65536"
         )
+    settings["protocol"] = protocol
+    if "side_channel_host" not in given:
+        settings["side_channel_host"] = default_host()
+    del settings["side_channel_secret"]  # kept as bytes (the field), not again as text
+    receiver = ReceiverOptions(
+        **option_fields(ReceiverOptions, settings),
+        claim_park_s=min(CLAIM_PARK_S, settings["side_channel_timeout_s"] / 2),
+    )
+    own = option_fields(ConnectorConfig, settings)
     return ConnectorConfig(
+        **{**own, "prefill": prefill, "decode": decode, "side_channel_secret": _secret(given)},
         role=role,
         engine_id=engine_id,
-        prefill=prefill,
-        decode=decode,
+        mooncake=MooncakeOptions(**option_fields(MooncakeOptions, settings)),
+        receiver=receiver,
         num_kv_heads=num_kv_heads,
         draft_kv_heads=draft_kv_heads,
         is_mla=is_mla,
         block_size=block_size,
-        protocol=protocol,
-        side_channel_host=(
-            given["side_channel_host"] if "side_channel_host" in given else default_host()
-        ),
         dp_rank=dp_rank,
         server_dp_rank=server_dp[0],
         server_dp_size=server_dp[1],
-        side_channel_secret=_secret(given),
         extra=extra,
-        **settings,
+        settings=settings,
     )
 
 

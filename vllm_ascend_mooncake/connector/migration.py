@@ -2,28 +2,25 @@
 
 vllm-ascend's ``MooncakeConnectorV1`` and vLLM's ``MooncakeConnector`` are configured with keys
 of their own. Those that mean the same as one of ours are declared with our key (its
-``aliases`` in :data:`.keys.KEYS`) and read under our name with a warning naming the key to
-write instead; those with no equivalent are refused with the reason (``docs/migration.md``).
-:func:`migrate_keys` does this before :mod:`.config` validates the keys.
+``aliases``, where the key is declared: :data:`.config.KEYS`) and read under our name with a
+warning naming the key to write instead; those with no equivalent are refused with the reason
+(``docs/migration.md``). :func:`migrate_keys` does this before :mod:`.config` validates the keys.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from ..log import get_logger
-from .keys import (
-    CONNECTOR_NAME,
-    KEYS,
-    VLLM_ASCEND,
-    VLLM_DEFAULT_KV_PORT,
-    VLLM_MOONCAKE,
-    Alias,
-    ConnectorConfigError,
-    port_number,
-)
+from ..names import CONNECTOR_NAME, VLLM_ASCEND, VLLM_MOONCAKE
+from ..options import Alias, ConnectorConfigError, Option
+
+#: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
+#: unset, so only another value is read (as ``side_channel_port``, see :func:`explicit_kv_port`).
+VLLM_DEFAULT_KV_PORT = 14579
 
 
 def _log() -> logging.Logger:
@@ -31,11 +28,19 @@ def _log() -> logging.Logger:
     return get_logger(__name__)
 
 
-#: Other connectors' keys -> (our key, how it is read), from the aliases :data:`.keys.KEYS`
-#: declares.
-RENAMED_KEYS: dict[str, tuple[str, Alias]] = {
-    alias.name: (key.name, alias) for key in KEYS for alias in key.aliases
-}
+def renamed_keys(keys: Iterable[Option]) -> dict[str, tuple[str, Alias]]:
+    """Other connectors' keys -> (our key, how it is read), from the aliases ``keys`` declare."""
+    return {alias.name: (key.name, alias) for key in keys for alias in key.aliases}
+
+
+def port_number(where: str, value: Any) -> int:
+    """A port given as an int, or as a decimal string (vllm-ascend's guides write ``"36000"``)."""
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConnectorConfigError(f"{where} must be a port number, got {value!r}")
+
 
 #: Keys of other connectors with no equivalent here: refused, saying why (docs/migration.md).
 REFUSED_KEYS: dict[str, str] = {
@@ -69,28 +74,31 @@ def explicit_kv_port(kv_transfer_config: Any) -> int | None:
     return port_number("kv_transfer_config.kv_port", port)
 
 
-def migrate_keys(extra: dict[str, Any], kv_port: int | None) -> dict[str, Any]:
+def migrate_keys(
+    extra: dict[str, Any], kv_port: int | None, renamed: dict[str, tuple[str, Alias]]
+) -> dict[str, Any]:
     """``extra`` with other connectors' keys replaced by ours; refuses those that mean nothing
     here, and an old and a new spelling of one setting that disagree. ``kv_port``: what
-    :func:`explicit_kv_port` read from ``kv_transfer_config``."""
+    :func:`explicit_kv_port` read from ``kv_transfer_config``; ``renamed``: the other
+    connectors' keys (:func:`renamed_keys`)."""
     refused = sorted(set(extra) & set(REFUSED_KEYS))
     if refused:
         raise ConnectorConfigError(
             f"kv_connector_extra_config key(s) of other connectors that {CONNECTOR_NAME} does not "
             f"accept: " + "; ".join(f"{key!r}: {REFUSED_KEYS[key]}" for key in refused)
         )
-    migrated = {key: value for key, value in extra.items() if key not in RENAMED_KEYS}
+    migrated = {key: value for key, value in extra.items() if key not in renamed}
     # our key -> [(where the user wrote it, the value under our key, a note for the log)]
     old_spellings: dict[str, list[tuple[str, Any, str]]] = {}
     for key, value in extra.items():
-        if key in RENAMED_KEYS:
-            ours, alias = RENAMED_KEYS[key]
+        if key in renamed:
+            ours, alias = renamed[key]
             where = f"kv_connector_extra_config[{key!r}] ({alias.origin})"
             old_spellings.setdefault(ours, []).append(
                 (where, alias.convert(where, value), alias.note)
             )
     if kv_port is not None:
-        ours, alias = RENAMED_KEYS["kv_port"]
+        ours, alias = renamed["kv_port"]
         old_spellings.setdefault(ours, []).append(
             (f"kv_transfer_config.kv_port ({alias.origin})", kv_port, alias.note)
         )

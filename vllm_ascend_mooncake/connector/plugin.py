@@ -9,8 +9,8 @@ Loading in every process is also where :mod:`.busy_wait` applies its opt-in sett
 
 from __future__ import annotations
 
+from ..names import CONNECTOR_NAME
 from .busy_wait import apply_from_env
-from .keys import CONNECTOR_NAME
 
 CONNECTOR_MODULE = "vllm_ascend_mooncake.connector"
 

@@ -20,13 +20,18 @@ from collections.abc import Callable
 
 from ..datapath.orders import PairingOrder
 from ..datapath.pairing import PairingOutcome, PairingVerdict
-from ..defaults import PAIRING_WAIT_S
 from ..log import get_logger
 
 logger = get_logger(__name__)
 
 #: Engines remembered per table; a fleet with more prefill engines pairs some twice.
 MAX_ENGINES = 1024
+#: How long decode's scheduler holds a prefill engine's first request for the pairing probe
+#: (``pair_before_pull``) before leaving the handshake to its pull. A prefill that answers does
+#: so in milliseconds; one that does not (down, frozen) is left to the pull's own timeouts, as
+#: before there was a probe: a request held longer could outlive prefill's hold on its KV
+#: (``release_timeout_s``) while nobody renews it.
+PAIRING_WAIT_S = 5.0
 
 
 class Pairing(enum.Enum):

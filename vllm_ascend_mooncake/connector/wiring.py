@@ -19,7 +19,7 @@ from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
 from ..core.topology import TransferTopology
-from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeTransport
+from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeOptions, MooncakeTransport
 from ..datapath.pairing import PairingProbes
 from ..datapath.peers import PeerDirectory
 from ..datapath.prefill_service import PrefillSender
@@ -30,12 +30,17 @@ from ..datapath.side_channel import SideChannelClient
 from ..datapath.staging_pool import StagingPool
 from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError
 from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
-from ..defaults import DEFAULT_SIDE_CHANNEL_TIMEOUT_S, MAX_STAGING_AREAS, MIN_STAGING_AREA_MIB
+from ..options import default_of
+from .config import ConnectorConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import ConnectorConfig
+#: The staging buffer is split into up to this many areas of at least ``MIN_STAGING_AREA_MIB``,
+#: one per request in flight: a request holds its area from planning to its report, so with
+#: several areas the next request is planned and queued while one still reads.
+MAX_STAGING_AREAS = 4
+MIN_STAGING_AREA_MIB = 32
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class PrefillSettings:
 class DecodeSettings:
     receiver: ReceiverOptions = field(default_factory=ReceiverOptions)
     staging_bytes: int = 0  # 0: no staging buffer (no pull of this topology can need one)
-    side_channel_timeout_s: float = DEFAULT_SIDE_CHANNEL_TIMEOUT_S
+    side_channel_timeout_s: float = default_of(ConnectorConfig, "side_channel_timeout_s")
     secret: bytes | None = None
 
 
@@ -86,19 +91,8 @@ def prefill_settings(config: ConnectorConfig, tp_rank: int) -> PrefillSettings:
 
 
 def receiver_options(config: ConnectorConfig) -> ReceiverOptions:
-    """The receiver's options from the configuration's keys (units converted by the config)."""
-    return ReceiverOptions(
-        max_descriptors_per_batch=config.max_descriptors_per_batch,
-        coalesce_runs=config.coalesce_runs,
-        block_reads_from_bytes=config.block_reads_from_bytes,
-        max_descriptor_bytes=config.max_descriptor_bytes,
-        num_threads=config.receiver_threads,
-        claim_wait_s=config.claim_wait_s,
-        prefill_wait_s=config.prefill_wait_s,
-        claim_park_s=config.claim_park_s,
-        read_retries=config.read_retries,
-        verify_reads=config.verify_reads,
-    )
+    """The receiver's options: the keys it declares, as the configuration read them."""
+    return config.receiver
 
 
 def decode_settings(
@@ -116,17 +110,17 @@ def decode_settings(
 
 
 def create_transport(
-    kind: str,
-    hostname: str,
-    protocol: str,
-    device_name: str = "",
-    device_type: str = "cpu",
-    read_wait: str | None = None,
+    kind: str, hostname: str, mooncake: MooncakeOptions, device_type: str = "cpu"
 ) -> Transport:
-    """The transport the configuration names (``transport`` key), started on ``hostname``."""
+    """The transport the configuration names (``transport`` key), started on ``hostname`` with
+    the keys it declares (``mooncake``)."""
     if kind == "mooncake":
         return MooncakeTransport(
-            hostname, protocol, device_name, device_type=device_type, read_wait=read_wait
+            hostname,
+            mooncake.protocol,
+            mooncake.device_name,
+            device_type=device_type,
+            read_wait=mooncake.read_wait,
         )
     raise TransportSetupError(f"transport must be one of {TRANSPORTS}, not {kind!r}")
 

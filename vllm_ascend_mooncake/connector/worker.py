@@ -35,7 +35,6 @@ from ..datapath.registration import (
 )
 from ..datapath.transport import MemoryRange, Transport
 from ..datapath.wire import ModelIdentity
-from ..defaults import SLEEP_DRAIN_S
 from ..log import get_logger
 from ..timeline import TimelineLog
 from . import vllm_compat
@@ -72,6 +71,9 @@ ASLEEP = (
     "the instance is asleep (vLLM sleep mode): its KV cache is unregistered and its contents "
     "are discarded; wake it up (POST /wake_up) before sending requests"
 )
+#: Before vLLM's sleep mode discards the KV cache, the longest a decode worker waits for its reads
+#: under way to settle (Mooncake's own transfer timeout, ``MC_TRANSFER_TIMEOUT``, is 30 s).
+SLEEP_DRAIN_S = 30.0
 
 
 def _chunk_packing(
@@ -203,10 +205,8 @@ class ConnectorWorker:
         self.transport = create_transport(
             config.transport,
             config.side_channel_host,
-            config.protocol,
-            config.device_name,
+            config.mooncake,
             device_type=current_platform.device_type,
-            read_wait=config.read_wait,
         )
         who = WorkerIdentity(
             engine_id=config.engine_id,
@@ -405,7 +405,7 @@ class ConnectorWorker:
         """Requests whose transfers ended; in an idle step, waits briefly for one to end."""
         sending: set[str] = set()
         recving: set[str] = set()
-        if idle:  # see config.DEFAULT_IDLE_STEP_WAIT_MS
+        if idle:  # see ConnectorConfig.idle_step_wait_ms
             wait_s = self.config.idle_step_wait_s
             if self.receiver is not None:
                 self.receiver.wait_for_news(wait_s)

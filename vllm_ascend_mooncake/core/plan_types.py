@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Only constants: config.py does no I/O when imported and imports nothing of the data path.
-from ..defaults import DEFAULT_COALESCE_RUNS, DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+from ..options import POSITIVE, option
 from .layout import Region
 from .topology import HeadPull, TransferTopology
 
@@ -52,8 +51,23 @@ class StagingArea:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
+    max_descriptors_per_batch: int = option(
+        1024,
+        summary="cap on descriptors per read call.",
+        details=(
+            "Mooncake's TCP transport rejects batches past about 2,000 outstanding descriptors per "
+            "peer."
+        ),
+        bound=POSITIVE,
+    )
+    coalesce_runs: bool = option(
+        True,
+        summary=(
+            "run-level coalescing for heterogeneous TP: one descriptor per block run and pull, "
+            "followed by a local permutation."
+        ),
+        details="`false` reads block by block (no permutation for head-major caches).",
+    )
     # Head-major merges read block by block, needing no fix-up, when each prefill block is at
     # least this many bytes (0: never). Per-block descriptors then cost less than the local
     # permutation that run-level coalescing needs afterwards.

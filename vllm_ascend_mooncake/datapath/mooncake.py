@@ -19,10 +19,13 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from ..defaults import READ_WAITS, default_read_wait
 from ..deps import require_mooncake_engine
 from ..log import get_logger
+from ..names import CONNECTOR_NAME, VLLM_ASCEND, VLLM_MOONCAKE
+from ..options import Alias, Bound, Computed, ConnectorConfigError, by_protocol, one_of, option
 from .transport import (
     MemoryRange,
     TransferError,
@@ -35,6 +38,87 @@ from .transport import (
 logger = get_logger(__name__)
 
 METADATA_P2P = "P2PHANDSHAKE"
+
+#: Mooncake transports accepted as ``protocol``.
+PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
+#: ``protocol`` per device type when the configuration does not name one ...
+DEFAULT_PROTOCOLS = {"cpu": "tcp", "cuda": "rdma", "npu": "ascend"}
+#: ... and for any other device type.
+FALLBACK_PROTOCOL = "tcp"
+#: How reads wait for completion (``read_wait``): see the module's docstring.
+READ_WAITS = ("poll", "sync")
+
+
+def default_protocol(device_type: str) -> str:
+    """``protocol`` when the configuration does not name one."""
+    return DEFAULT_PROTOCOLS.get(device_type, FALLBACK_PROTOCOL)
+
+
+def default_read_wait(protocol: str) -> str:
+    """``read_wait`` when the configuration does not say: ``poll`` over tcp, else ``sync``."""
+    return "poll" if protocol == "tcp" else "sync"
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConnectorConfigError(f"{where} must be str, got {value!r}")
+    return value
+
+
+def _ascend_direct_protocol(where: str, value: Any) -> str:
+    """vllm-ascend's ``use_ascend_direct``: ``true`` gave Mooncake the plain host address (the
+    form of its ADXL/HIXL transport, with protocol ``ascend``), which is what this connector
+    always does; ``false`` chose the HCCL form ``host:0:npu_<id>``, which it cannot do."""
+    if value is True:
+        return "ascend"
+    if value is False:
+        raise ConnectorConfigError(
+            f"{where} false chose vllm-ascend's legacy HCCL transport address "
+            f"(host:0:npu_<id>), removed from vllm-ascend in December 2025 (#4547); "
+            f"{CONNECTOR_NAME} has no equivalent: it always gives Mooncake the plain host "
+            f"address, as Mooncake's ADXL/HIXL transport (built with USE_ASCEND_DIRECT) needs. "
+            f"Remove the key (protocol 'ascend' is the default on NPUs)"
+        )
+    raise ConnectorConfigError(f"{where} must be bool, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeOptions:
+    """The keys :class:`MooncakeTransport` is started with."""
+
+    protocol: str = option(
+        computed=Computed(
+            ", ".join(
+                f"`{protocol}` on {device.upper()}"
+                for device, protocol in DEFAULT_PROTOCOLS.items()
+            )
+            + f", else `{FALLBACK_PROTOCOL}`"
+        ),
+        summary="Mooncake transport.",
+        details="With `tcp`, `MC_FORCE_TCP=1` is set unless you set it.",
+        bound=one_of(
+            PROTOCOLS,
+            "{where} {value!r} is not a Mooncake transport (" + ", ".join(PROTOCOLS) + ")",
+        ),
+        aliases=(
+            Alias("mooncake_protocol", VLLM_MOONCAKE, _string),
+            Alias("use_ascend_direct", VLLM_ASCEND, _ascend_direct_protocol),
+        ),
+    )
+    device_name: str = option(
+        "", summary="Mooncake NIC/device list (`mlx5_0,mlx5_1`); empty = auto."
+    )
+    read_wait: str = option(
+        computed=by_protocol(default_read_wait),
+        summary=(
+            "how a read waits for Mooncake: `poll` submits one asynchronous batch per descriptor "
+            "and sleeps between status checks; `sync` is Mooncake's `batch_transfer_sync_read`, "
+            "which keeps a core spinning per read in flight (see docs/deploy-single-host.md, small "
+            "CPU hosts)."
+        ),
+        bound=one_of(READ_WAITS),
+        as_default=Bound('""', lambda value: value == "", '`""`'),
+    )
 
 
 # Mooncake's own sync-call timeout: MC_TRANSFER_TIMEOUT seconds (default 30, at least 5) plus one

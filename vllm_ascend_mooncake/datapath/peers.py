@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from ..core.layout import Region
 from ..core.topology import Topologies, TopologyError, TransferTopology
-from ..defaults import PEER_COOLDOWN_S
 from ..log import get_logger
 from .compat import IncompatiblePeerError, check_peer
 from .side_channel import (
@@ -37,6 +36,16 @@ from .side_channel import (
     check_address,
 )
 from .wire import WorkerMetadata
+
+#: After a read from a prefill never settled (a frozen peer), decode fails further reads from
+#: that prefill at once for this long (its circuit is open), then tries one again: the pulls
+#: queued for it end at once instead of each costing the read's timeouts and a quarantine.
+PEER_COOLDOWN_S = 10.0
+#: Each further read in a row that never settles doubles the cool-down, up to this: a prefill
+#: whose data path stays frozen while its side channel answers costs one quarantined read (its
+#: decode blocks and a staging area, kept until restart) per this long, not per 10 s plus the
+#: read's timeouts. A read that lands, or a new incarnation of the peer, ends the back-off.
+PEER_COOLDOWN_MAX_S = 640.0
 
 logger = get_logger(__name__)
 

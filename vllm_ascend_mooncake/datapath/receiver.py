@@ -63,18 +63,8 @@ from ..core.plan import (
 )
 from ..core.relayout import LocalMemory, apply_swaps
 from ..core.topology import TransferTopology
-from ..defaults import (
-    DEFAULT_CLAIM_PARK_S,
-    DEFAULT_CLAIM_WAIT_S,
-    DEFAULT_COALESCE_RUNS,
-    DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
-    DEFAULT_PREFILL_WAIT_S,
-    DEFAULT_READ_RETRIES,
-    DEFAULT_RECEIVER_THREADS,
-    PEER_COOLDOWN_MAX_S,
-    PEER_COOLDOWN_S,
-)
 from ..log import get_logger
+from ..options import KIB, NEGATIVE, NON_NEGATIVE, POSITIVE, by_protocol, option, same_option
 from ..timeline import PullTimeline
 from .claims import ClaimExchange
 from .copy_overlap import CopyOverlap
@@ -85,7 +75,7 @@ from .notifier import ReadDoneNotifier
 from .orders import PullOrder
 from .peer_lookup import Lookup, PeerLookup
 from .peer_reads import PeerReader, ReadTerms
-from .peers import PeerDirectory
+from .peers import PEER_COOLDOWN_MAX_S, PEER_COOLDOWN_S, PeerDirectory
 from .pull_reports import PullFailure, PullReports, PullStats
 from .side_channel import SideChannelClient
 from .staging_pool import StagingPool
@@ -97,38 +87,145 @@ __all__ = ["PullFailure", "PullStats", "Receiver", "ReceiverOptions"]
 logger = get_logger(__name__)
 
 
+#: The longest a prefill may hold a decode's pending claim open (long poll), at most half of
+#: ``side_channel_timeout_s`` (:attr:`..connector.config.ConnectorConfig.claim_park_s`).
+CLAIM_PARK_S = 1.0
+#: ``max_descriptor_kib`` over tcp; 0 (never split) on other transports.
+TCP_MAX_DESCRIPTOR_KIB = 1024
+#: ``block_reads_from_kib`` over tcp; 0 (never) on other transports.
+TCP_BLOCK_READS_FROM_KIB = 256
+
+
+def default_max_descriptor_kib(protocol: str) -> int:
+    """``max_descriptor_kib`` when the configuration does not say."""
+    return TCP_MAX_DESCRIPTOR_KIB if protocol == "tcp" else 0
+
+
+def default_block_reads_from_kib(protocol: str) -> int:
+    """``block_reads_from_kib`` when the configuration does not say."""
+    return TCP_BLOCK_READS_FROM_KIB if protocol == "tcp" else 0
+
+
 @dataclass(frozen=True)
 class ReceiverOptions:
-    """The decode side's settings, in bytes and seconds. Those that are keys of
-    kv_connector_extra_config default to the configuration's defaults (config.py); the worker
+    """The decode side's settings, in bytes and seconds. Those declared with ``option`` are keys
+    of kv_connector_extra_config (:mod:`..options`), in the order the docs list them; the worker
     passes the configured values (:class:`~..connector.config.ConnectorConfig`)."""
 
-    max_descriptors_per_batch: int = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-    coalesce_runs: bool = DEFAULT_COALESCE_RUNS
-    block_reads_from_bytes: int = 0  # 0: never (the configured default depends on the protocol)
-    max_descriptor_bytes: int = 0  # 0: never split (likewise)
-    num_threads: int = DEFAULT_RECEIVER_THREADS  # receiver_threads
-    requests_per_turn: int = 4
     # how long a "pending" prefill (request not registered yet) is asked
-    claim_wait_s: float = DEFAULT_CLAIM_WAIT_S
+    claim_wait_s: float = option(
+        10.0,
+        summary=(
+            "before reading, decode claims a read lease from each prefill rank; a rank that has not"
+            " registered the request yet (it learns of it one engine step after answering) is asked"
+            " again for up to this long."
+        ),
+        details=(
+            "A rank that already released the request refuses, so a late read never sees reused "
+            "blocks. The lease lasts `release_timeout_s` and is renewed before reading when half of"
+            " it has passed; bytes read after the lease ended are discarded."
+        ),
+        unit="s",
+        bound=POSITIVE,
+    )
     # the same, for a pull admitted before prefill finished
-    prefill_wait_s: float = DEFAULT_PREFILL_WAIT_S
+    prefill_wait_s: float = option(
+        120.0,
+        summary=(
+            "the same wait for a request whose decode leg was sent alongside its prefill (the "
+            'proxy\'s overlapped legs): the lease is "pending" until prefill is done.'
+        ),
+        details=f"Prefill holds a pending claim open (up to {CLAIM_PARK_S:g} s, or half of "
+        "`side_channel_timeout_s`, at a time) and answers it the moment it registers the "
+        "request, so decode neither polls nor waits longer than needed. A prefill request that "
+        "is aborted refuses the lease at once.",
+        unit="s",
+        bound=POSITIVE,
+    )
+    # extra attempts for a failed batch read (transient transport errors)
+    read_retries: int = option(
+        1,
+        summary=(
+            "extra attempts, with a short backoff, for a batched read that failed (transient "
+            "transport errors)."
+        ),
+        bound=NON_NEGATIVE,
+    )
+    max_descriptors_per_batch: int = same_option(PlanOptions, "max_descriptors_per_batch")
+    max_descriptor_bytes: int = option(
+        0,  # 0: never split (the configured default depends on the protocol)
+        key="max_descriptor_kib",
+        scale=KIB,
+        computed=by_protocol(default_max_descriptor_kib),
+        summary="split descriptors larger than this many KiB (0: never).",
+        details=(
+            "Mooncake's TCP transport moves ~1 MiB descriptors faster than much larger ones; RDMA "
+            "slices large ones itself. A negative value is read as the default, not refused."
+        ),
+        unit="KiB",
+        bound=NON_NEGATIVE,
+        as_default=NEGATIVE,
+    )
+    coalesce_runs: bool = same_option(PlanOptions, "coalesce_runs")
+    block_reads_from_bytes: int = option(
+        0,  # 0: never (likewise)
+        key="block_reads_from_kib",
+        scale=KIB,
+        computed=by_protocol(default_block_reads_from_kib),
+        summary=(
+            "head-major merges (prefill TP > decode TP) read block by block, with no local "
+            "permutation, when a prefill block is at least this many KiB (0: never)."
+        ),
+        details=(
+            "Over TCP per-block reads of 256 KiB blocks beat run-level coalescing plus its "
+            "permutation, 128 KiB blocks did not (see benchmarks/README.md); smaller blocks stay "
+            "coalesced. A negative value is read as the default, not refused."
+        ),
+        unit="KiB",
+        bound=NON_NEGATIVE,
+        as_default=NEGATIVE,
+    )
+    #: compare every read batch's checksum with prefill's before reporting (:mod:`.verify`)
+    verify_reads: bool = option(
+        False,
+        summary=(
+            "decode only: check every read batch end to end before the pull is reported: decode "
+            "compares the checksum of the bytes that landed with prefill's checksum of the bytes it"
+            " serves."
+        ),
+        details=(
+            "A mismatch (corruption in flight, a planned destination written short or not at all, "
+            "blocks changed under the read) fails the pull, counted and logged, instead of loading "
+            "wrong KV. It checks the transport's copy of the ranges the plan chose, not the plan: "
+            "a wrong offset or block chosen by the planner, and the copies and swaps that run after"
+            " the bytes land, pass unseen (datapath/verify.py). It costs a "
+            "side-channel round trip per batch and a checksum pass over the bytes on both sides, on"
+            " the KV's own device (benchmarks/README.md); both sides must run a version that knows "
+            "it."
+        ),
+    )
+    num_threads: int = option(
+        4,
+        key="receiver_threads",
+        summary=(
+            "decode threads issuing reads; different prefill peers are read in parallel, one peer "
+            "in order."
+        ),
+        bound=POSITIVE,
+    )
+    requests_per_turn: int = 4
     claim_poll_s: tuple[float, float] = (0.001, 0.01)  # first and longest wait between asks
     # prefill may hold a pending claim's reply this long (long poll)
-    claim_park_s: float = DEFAULT_CLAIM_PARK_S
+    claim_park_s: float = CLAIM_PARK_S
     #: how long reads from a prefill that left a read unsettled fail at once (circuit open)
     peer_cooldown_s: float = PEER_COOLDOWN_S
     #: ... doubled per unsettled read in a row from that prefill, up to this
     peer_cooldown_max_s: float = PEER_COOLDOWN_MAX_S
     claim_attempts: int = 2  # exchanges tried per claim when the peer is silent (busy host)
-    # extra attempts for a failed batch read (transient transport errors)
-    read_retries: int = DEFAULT_READ_RETRIES
     retry_backoff_s: float = 0.2
     lease_margin: float = 0.1  # fraction of a lease kept as safety margin
     notify_attempts: int = 4  # read-done deliveries tried per peer before the prefill's deadline
     notify_backoff_s: float = 1.0  # wait before retry n is n times this
-    #: compare every read batch's checksum with prefill's before reporting (:mod:`.verify`)
-    verify_reads: bool = False
 
 
 @dataclass

@@ -26,8 +26,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..connector.keys import CONNECTOR_NAME
-from ..defaults import DEFAULT_RELEASE_TIMEOUT_S
+from ..connector.config import ConnectorConfig
+from ..names import CONNECTOR_NAME
+from ..options import default_of
 from .ports import free_port, free_port_range
 from .prometheus import metric_samples, metric_sum, metrics_text
 from .servers import (
@@ -68,7 +69,7 @@ class DeploymentSpec:
     #: the prefill instance's block size where it differs from decode's (``block_size``)
     prefill_block_size: int | None = None
     max_model_len: int = 512
-    release_timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S
+    release_timeout_s: float = default_of(ConnectorConfig, "release_timeout_s")
     # vLLM's kv_load_failure_policy on decode: "fail" (error the request) or "recompute".
     decode_failure_policy: str = "fail"
     # Fix the prefill engine id (vLLM draws a random one), e.g. to restart it under the same id.

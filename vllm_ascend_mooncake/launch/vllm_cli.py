@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..defaults import CONNECTOR_NAME
+from ..names import CONNECTOR_NAME
 
 #: The distribution name vLLM looks itself up by.
 VLLM_DISTRIBUTION = "vllm"

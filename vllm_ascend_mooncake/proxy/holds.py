@@ -32,7 +32,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..connector.keys import SECRET_ENV
 from ..datapath.side_channel import (
     MAX_MESSAGE_BYTES,
     PeerRefused,
@@ -43,6 +42,7 @@ from ..datapath.side_channel import (
     zmq_address,
 )
 from ..datapath.wire import ClaimReply, DropHold, KeepHold, Message
+from ..names import SECRET_ENV
 from .payloads import prefill_address
 
 logger = logging.getLogger(__name__)

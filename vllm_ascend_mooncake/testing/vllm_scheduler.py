@@ -68,10 +68,10 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from ..connector.config import config_from_vllm
 from ..connector.facade import MooncakeHeteroConnector, StepMetadata
-from ..connector.keys import CONNECTOR_NAME
 from ..connector.params import RemotePrefill, parse_remote_prefill
 from ..core.topology import Topologies
 from ..datapath.orders import StepOrders
+from ..names import CONNECTOR_NAME
 
 #: The token a request stops on (its EOS), and the one sampled otherwise.
 EOS_TOKEN_ID = 2
