@@ -40,6 +40,7 @@ from ..defaults import (
     default_max_descriptor_kib,
     default_read_wait,
 )
+from ..handoff import SECRET_ENV as SECRET_ENV
 
 #: vLLM's default ``KVTransferConfig.kv_port``. A kv_port equal to it cannot be told from one left
 #: unset, so only another value is read (as ``side_channel_port``, see
@@ -54,9 +55,6 @@ class ConnectorConfigError(ValueError):
     """The connector configuration is invalid for this engine."""
 
 
-#: Where the side-channel secret is read from when kv_connector_extra_config does not set it
-#: (an environment variable keeps it out of command lines and process listings).
-SECRET_ENV = "VAM_SIDE_CHANNEL_SECRET"
 MIN_SECRET_CHARS = 16
 
 

@@ -32,7 +32,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..connector.keys import SECRET_ENV
 from ..datapath.side_channel import (
     MAX_MESSAGE_BYTES,
     PeerRefused,
@@ -42,8 +41,8 @@ from ..datapath.side_channel import (
     refusal_checked,
     zmq_address,
 )
-from ..datapath.wire import ClaimReply, DropHold, KeepHold, Message
-from .payloads import prefill_address
+from ..datapath.wire import Message
+from ..handoff import SECRET_ENV, ClaimReply, DropHold, KeepHold, prefill_address
 
 logger = logging.getLogger(__name__)
 
