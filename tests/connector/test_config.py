@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ascend_mooncake.connector.config import draft_model_kv_heads, parse_config
-from vllm_ascend_mooncake.names import SECRET_ENV
+from vllm_ascend_mooncake.handoff import SECRET_ENV
 from vllm_ascend_mooncake.options import ConnectorConfigError
 
 

@@ -26,12 +26,12 @@ import pytest
 from pd_checks import metric, settled_totals, transfer_evidence, wait_for_metric
 
 from vllm_ascend_mooncake.connector.params import release_target
+from vllm_ascend_mooncake.handoff import SECRET_ENV
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.names import SECRET_ENV
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine

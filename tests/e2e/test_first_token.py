@@ -5,7 +5,7 @@ two proxies in front of them: the default one (overlapped legs where a request k
 first token) and one with ``--serial-legs``. Each request's answer through a proxy must equal one
 colocated instance's, float32, token for token with top logprobs within ``LOGPROB_TOLERANCE``:
 completions and chat, streamed and not, greedy (decode continues from prefill's token) and seeded
-(it keeps decode's first token, see proxy/continuation.py), with logprobs, token ids and usage.
+(it keeps decode's first token, see proxy/continuable.py), with logprobs, token ids and usage.
 Unseeded sampling cannot be compared with another instance; instead every token's logprob in the
 answer must be what colocated gives that token after the same prefix (the prompt and the tokens
 the client saw before it), which a decode that continued from any other first token fails.
@@ -36,7 +36,7 @@ from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_mod
 from vllm_ascend_mooncake.testing.answers import prompt_ids
 
 #: The proxy's count of first tokens decode sampled again, by reason; a first token that is part
-#: of a character is one (proxy/token_texts.py).
+#: of a character is one (proxy/formats/token_texts.py).
 DECODE_FIRST_TOKENS = "vam_proxy_decode_first_tokens_total"
 PARTIAL_CHARACTER = {"reason": "partial character"}
 #: sampled requests sent at most until one continues prefill's first token
@@ -192,7 +192,7 @@ def test_answers_equal_colocated_through_both_proxies(deployment, reference) -> 
             assert_same(got, reference["answers"][label], f"{url}: {label}")
             pulls += 1
         # Greedy requests continued from prefill's token, unless it was part of a character
-        # (proxy/token_texts.py); seeded ones kept decode's.
+        # (proxy/formats/token_texts.py); seeded ones kept decode's.
         continued = metric(url, "vam_proxy_requests_total", {"legs": "continued"})
         partial = metric(
             url, "vam_proxy_decode_first_tokens_total", {"reason": "partial character"}
@@ -210,8 +210,8 @@ def test_sampled_answers_continue_the_token_the_client_saw(deployment, reference
     pass over them): decode continued from exactly the first token the client got.
 
     A sampled first token that is part of a character keeps decode's instead
-    (proxy/token_texts.py), and this byte-level tokenizer samples one often (both of two first
-    tokens were, once): requests are sent until one continued, each checked the same way."""
+    (proxy/formats/token_texts.py), and this byte-level tokenizer samples one often (both of two
+    first tokens were, once): requests are sent until one continued, each checked the same way."""
     pd, _ = deployment
     name = reference["name"]
     pulls_before = settled_pulls(pd)

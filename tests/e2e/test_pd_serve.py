@@ -33,9 +33,9 @@ from pd_checks import (
     wait_for_metric,
 )
 
+from vllm_ascend_mooncake.handoff import prefill_address
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.proxy.payloads import prefill_address
 
 pytestmark = pytest.mark.engine
 

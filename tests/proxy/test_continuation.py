@@ -23,7 +23,7 @@ from fake_vllm import PARTIAL_CHARACTER_TOKENS, FakeVllm, TinyEngine
 from loopback_server import serve_on_loopback
 
 from vllm_ascend_mooncake.proxy import create_app
-from vllm_ascend_mooncake.proxy.continuation import (
+from vllm_ascend_mooncake.proxy.continuable import (
     FIRST_TOKEN_HEADER,
     OTHER_REASON,
     REASON_LABELS,

@@ -18,7 +18,7 @@ from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.proxy import continued, holds
+from vllm_ascend_mooncake.proxy import continued_route, holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
 from vllm_ascend_mooncake.testing.waiting import wait_until
 
@@ -286,7 +286,7 @@ def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
     """Issue #43 (f): a streamed prefill leg that ends without its token names no transfer
     decode may read (test_continuation.py); whatever prefill holds under the proxy's transfer
     id is freed at once."""
-    monkeypatch.setattr(continued, "new_transfer_id", lambda request_id: "t")
+    monkeypatch.setattr(continued_route, "new_transfer_id", lambda request_id: "t")
     with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
         prefill, decode = FakeVllm("prefill"), FakeVllm("decode")

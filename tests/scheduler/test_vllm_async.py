@@ -22,7 +22,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake.proxy import payloads
+from vllm_ascend_mooncake import handoff
+from vllm_ascend_mooncake.proxy import bodies
 from vllm_ascend_mooncake.testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     Instance,
@@ -37,7 +38,7 @@ BLOCK = 16
 
 def hand_off() -> dict:
     """The kv_transfer_params of the proxy's prefill leg (one dict per request, as parsed)."""
-    return dict(payloads.PREFILL_KV_TRANSFER_PARAMS)
+    return dict(handoff.PREFILL_KV_TRANSFER_PARAMS)
 
 
 def instance(kv_role: str, **config) -> Instance:
@@ -164,13 +165,13 @@ def test_a_hand_off_between_two_async_instances() -> None:
     client = {"model": "tiny", "prompt": "x", "max_tokens": 4}
     prompt = prompt_tokens("async-handoff", 40)
 
-    body = payloads.prefill_body(client)
+    body = bodies.serial_prefill_body(client)
     p.request("cmpl-p", prompt, params=body["kv_transfer_params"], max_tokens=body["max_tokens"])
     steps = until(p, finished("cmpl-p"))
     params = steps[-1].finished("cmpl-p").kv_transfer_params
     hold = until(p, lambda s: bool(s[-1].orders.holds))[-1].orders.holds[0]
 
-    decode_params = payloads.decode_body(client, params)["kv_transfer_params"]
+    decode_params = bodies.decode_body(client, params)["kv_transfer_params"]
     d.request("cmpl-d", prompt, params=decode_params, max_tokens=4)
     (pull,) = d.step().orders.pulls
     assert (pull.transfer_id, pull.remote_block_ids) == (hold.transfer_id, hold.block_ids)

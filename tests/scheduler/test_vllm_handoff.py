@@ -2,7 +2,7 @@
 
 Two ``vllm.v1.core.sched.scheduler.Scheduler``s, each with our connector built by vLLM's factory
 (prefill: kv_producer, decode: kv_consumer), joined the way the proxy joins them: the proxy's own
-``payloads`` functions build the prefill leg, read ``kv_transfer_params`` from prefill's (JSON)
+``proxy.bodies`` functions build the prefill leg, read ``kv_transfer_params`` from prefill's (JSON)
 response and build the decode leg. The only fake is the workers: each step's ``KVConnectorOutput``
 is written by the test as our worker sides report (decode: ``finished_recving`` once its pull
 landed, with ``invalid_block_ids`` if it failed; prefill: ``finished_sending`` once decode has
@@ -18,8 +18,10 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_ascend_mooncake import handoff
 from vllm_ascend_mooncake.connector.params import InvalidTransferParams
-from vllm_ascend_mooncake.proxy import continuation, payloads
+from vllm_ascend_mooncake.proxy import bodies
+from vllm_ascend_mooncake.proxy.formats import prefill_answer
 from vllm_ascend_mooncake.testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     SIDE_CHANNEL_PORT,
@@ -29,7 +31,7 @@ from vllm_ascend_mooncake.testing.vllm_scheduler import (
     remote_prefill_params,
 )
 
-COMPLETIONS = continuation.COMPLETIONS
+COMPLETIONS = prefill_answer.COMPLETIONS
 
 CLIENT = {"model": "tiny", "prompt": "ignored: the schedulers take token ids", "max_tokens": 4}
 
@@ -45,7 +47,7 @@ def run_prefill(p: Instance, request_id: str, prompt: list[int], body: dict) -> 
     step = p.step()
     done = step.finished(request_id)
     assert done is not None and done.finish_reason == FinishReason.LENGTH
-    params = payloads.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
+    params = prefill_answer.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
     assert params is not None
     return params
 
@@ -63,12 +65,12 @@ def test_prefill_params_drive_the_decode_pull(
     d = Instance("kv_consumer", tensor_parallel_size=decode_tp, block_size=decode_block, **sizes)
     prompt = prompt_tokens("handoff", 72)
 
-    params = run_prefill(p, "cmpl-1-p", prompt, payloads.prefill_body(CLIENT))
+    params = run_prefill(p, "cmpl-1-p", prompt, bodies.serial_prefill_body(CLIENT))
     prefill_blocks = p.block_ids("cmpl-1-p")
     (hold,) = p.step().orders.holds
     assert hold.block_ids == tuple(prefill_blocks)
 
-    body = payloads.decode_body(CLIENT, params)
+    body = bodies.decode_body(CLIENT, params)
     req = d.request("cmpl-1-d", prompt, params=body["kv_transfer_params"], max_tokens=4)
     step = d.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -98,20 +100,20 @@ def test_overlapped_legs_meet_under_the_proxys_transfer_id() -> None:
     p = Instance("kv_producer")
     d = Instance("kv_consumer")
     earlier = run_prefill(
-        p, "cmpl-0-p", prompt_tokens("earlier", 20), payloads.prefill_body(CLIENT)
+        p, "cmpl-0-p", prompt_tokens("earlier", 20), bodies.serial_prefill_body(CLIENT)
     )
     p.step(finished_sending={"cmpl-0-p"})
-    address = payloads.prefill_address(earlier)
+    address = handoff.prefill_address(earlier)
     assert address is not None
 
     prompt = prompt_tokens("overlapped", 40)
-    decode_params = payloads.overlapped_decode_params(address, "xfer-2")
+    decode_params = handoff.awaited_prefill_params(address, "xfer-2")
     req = d.request("cmpl-2-d", prompt, params=decode_params, max_tokens=2)
     (pull,) = d.step().orders.pulls
     assert pull.early and pull.transfer_id == "xfer-2"
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
-    params = run_prefill(p, "cmpl-2-p", prompt, payloads.overlapped_prefill_body(CLIENT, "xfer-2"))
+    params = run_prefill(p, "cmpl-2-p", prompt, bodies.overlapped_prefill_body(CLIENT, "xfer-2"))
     assert params["remote_request_id"] == "xfer-2"
     (hold,) = p.step().orders.holds
     assert (hold.request_id, hold.transfer_id) == ("cmpl-2-p", "xfer-2")
@@ -136,10 +138,10 @@ def test_a_prefill_aborted_under_overlapped_legs_makes_decode_recompute() -> Non
         "remote_tp_size": 1,
     }
     prompt = prompt_tokens("aborted", 64)
-    req = d.request("cmpl-3-d", prompt, params=payloads.overlapped_decode_params(address, "xfer-3"))
+    req = d.request("cmpl-3-d", prompt, params=handoff.awaited_prefill_params(address, "xfer-3"))
     (pull,) = d.step().orders.pulls
 
-    body = payloads.overlapped_prefill_body(CLIENT, "xfer-3")
+    body = bodies.overlapped_prefill_body(CLIENT, "xfer-3")
     p.request("cmpl-3-p", prompt, params=body["kv_transfer_params"], max_tokens=1)
     p.step()  # its first chunk
     p.abort("cmpl-3-p")
@@ -162,19 +164,19 @@ def test_a_prefill_aborted_under_overlapped_legs_makes_decode_recompute() -> Non
 def test_decode_continues_from_prefills_token_reading_every_prompt_token(
     prompt_len: int, prefill_block: int, decode_block: int
 ) -> None:
-    """The proxy's continued legs (proxy/continuation.py): decode's prompt is prefill's prompt
-    and the token prefill sampled; decode reads all of prefill's prompt tokens (their blocks,
-    the last one partial or not) and computes only that token, which may open a block of its
-    own."""
+    """The proxy's continued legs (proxy/bodies.py, proxy/formats/prefill_answer.py): decode's
+    prompt is prefill's prompt and the token prefill sampled; decode reads all of prefill's
+    prompt tokens (their blocks, the last one partial or not) and computes only that token,
+    which may open a block of its own."""
     p = Instance("kv_producer", block_size=prefill_block)
     d = Instance("kv_consumer", block_size=decode_block)
     prompt = prompt_tokens("continued", prompt_len)
     client = {**CLIENT, "max_tokens": 4}
-    leg = continuation.prefill_body(client)
+    leg = bodies.continued_prefill_body(client)
     p.request("cmpl-4-p", prompt, params=leg["kv_transfer_params"], max_tokens=leg["max_tokens"])
     done = p.step(tokens={"cmpl-4-p": 77}).finished("cmpl-4-p")
     assert done is not None and done.finish_reason == FinishReason.LENGTH
-    params = payloads.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
+    params = prefill_answer.kv_transfer_params_from_prefill(response(done.kv_transfer_params))
     assert params["remote_output_token_ids"] == [77]
     assert params["remote_chat_prompt_ids"] is True  # vLLM 0.30+ (this tier runs 0.30-0.34)
     (hold,) = p.step().orders.holds
@@ -184,9 +186,9 @@ def test_decode_continues_from_prefills_token_reading_every_prompt_token(
         "choices": [{"text": "x", "token_ids": [77], "prompt_token_ids": prompt}],
         "kv_transfer_params": params,
     }
-    first = continuation.first_token(COMPLETIONS, json.dumps(answer).encode())
+    first = prefill_answer.first_token(COMPLETIONS, json.dumps(answer).encode())
     assert first is not None
-    body = continuation.decode_body(client, first)
+    body = bodies.continued_decode_body(client, first)
     assert body["prompt"] == [*prompt, 77] and body["max_tokens"] == 3
     req = d.request("cmpl-4-d", body["prompt"], params=body["kv_transfer_params"], max_tokens=3)
     step = d.step()
@@ -238,7 +240,7 @@ def test_a_continued_prefill_holds_nothing_when_its_token_ends_the_answer(token:
     """``hold_if_stopped`` false: an answer that ended with prefill's token (EOS, a stop
     string or token) is complete, nobody reads its KV; one cut at its token limit is held."""
     p = Instance("kv_producer")
-    leg = continuation.prefill_body({**CLIENT, "max_tokens": 4})
+    leg = bodies.continued_prefill_body({**CLIENT, "max_tokens": 4})
     p.request("cmpl-7-p", 40, params=leg["kv_transfer_params"], max_tokens=1)
     done = p.step(tokens={"cmpl-7-p": token}).finished("cmpl-7-p")
     holds = p.step().orders.holds

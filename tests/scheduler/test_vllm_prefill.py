@@ -14,8 +14,8 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_ascend_mooncake import handoff
 from vllm_ascend_mooncake.datapath.orders import HoldOrder
-from vllm_ascend_mooncake.proxy import payloads
 from vllm_ascend_mooncake.testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     SIDE_CHANNEL_HOST,
@@ -30,7 +30,7 @@ BLOCK = 16
 
 def hand_off() -> dict:
     """The kv_transfer_params of the proxy's prefill leg (one dict per request, as parsed)."""
-    return dict(payloads.PREFILL_KV_TRANSFER_PARAMS)
+    return dict(handoff.PREFILL_KV_TRANSFER_PARAMS)
 
 
 def prefill(**config) -> Instance:

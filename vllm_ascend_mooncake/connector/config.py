@@ -27,8 +27,9 @@ from ..datapath.mooncake import MooncakeOptions, default_protocol
 from ..datapath.pairing import parse_endpoints
 from ..datapath.receiver import CLAIM_PARK_S, ReceiverOptions
 from ..datapath.transport import TRANSPORTS
+from ..handoff import SECRET_ENV
 from ..log import get_logger
-from ..names import CONNECTOR_NAME, SECRET_ENV, VLLM_ASCEND
+from ..names import CONNECTOR_NAME, VLLM_ASCEND
 from ..options import (
     MIB,
     PORT,

@@ -7,7 +7,8 @@ served by a local prefill instead of reading garbage.
 
 Overlapped legs: a proxy that already knows a prefill instance's address may send both legs at
 once. It gives prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode the prefill's
-address with ``remote_request_id`` T and no block ids (:data:`TRANSFER_ID_KEY`). Decode then
+address with ``remote_request_id`` T and no block ids (the keys, transfer ids and hold messages a
+router shares with the connector are :mod:`..handoff`'s). Decode then
 admits the request at once and learns the block ids from prefill's read lease, when prefill is
 done; prefill checks the prompt length there. A prefill instance that fronts several data-parallel
 engines says which one answered (``remote_dp_rank`` of ``remote_dp_size``), so that the proxy can
@@ -16,7 +17,7 @@ send the next request's prefill leg to the engine it names to decode.
 A decode request may continue from the token prefill sampled (the proxy streams that token to
 the client): its prompt is prefill's prompt followed by ``remote_output_token_ids``. Decode then
 reads all of prefill's prompt tokens and computes only the continued token's KV. A prefill leg
-with ``hold_if_stopped`` false (:data:`HOLD_IF_STOPPED_KEY`) keeps no KV when its token ended
+with ``hold_if_stopped`` false (``handoff.HOLD_IF_STOPPED_KEY``) keeps no KV when its token ended
 the request (EOS, a stop string): nobody continues a finished answer.
 """
 
@@ -30,14 +31,11 @@ import msgspec
 
 from ..core.topology import Topologies, TopologyError
 from ..datapath.side_channel import address_problem
-from ..datapath.wire import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
-from ..datapath.wire import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
+from ..handoff import HOLD_IF_STOPPED_KEY as HOLD_IF_STOPPED_KEY
+from ..handoff import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
+from ..handoff import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
+from ..handoff import TRANSFER_ID_KEY as TRANSFER_ID_KEY
 
-#: On a prefill request: the id the decode side will claim the prompt's KV under.
-TRANSFER_ID_KEY = "transfer_id"
-#: On a prefill request: false when the KV is wanted only if the request hit its token limit,
-#: i.e. not when its token ended it (the proxy answers the client from prefill then).
-HOLD_IF_STOPPED_KEY = "hold_if_stopped"
 #: The most tokens a prefill hands out as generated, and a decode prompt may continue with.
 MAX_OUTPUT_TOKENS = 64
 

@@ -26,14 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.topology import Topologies
 from ..datapath.orders import HoldOrder, PairingOrder, PullOrder, StepOrders
+from ..handoff import HOLD_IF_STOPPED_KEY, MAX_TRANSFER_ID_CHARS, TRANSFER_ID_KEY
 from ..log import get_logger
 from ..timeline import TimelineLog
 from .config import ConnectorConfig, is_loopback
 from .params import (
-    HOLD_IF_STOPPED_KEY,
     MAX_OUTPUT_TOKENS,
-    MAX_TRANSFER_ID_CHARS,
-    TRANSFER_ID_KEY,
     InvalidTransferParams,
     RemotePrefill,
     parse_remote_prefill,

@@ -22,29 +22,26 @@ from typing import Annotated
 import msgspec
 
 from ..core.layout import BlockOrder, LayoutError, Region, RegionLayout, RowGroup
+from ..handoff import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
+from ..handoff import MAX_TEXT_CHARS as MAX_TEXT_CHARS
+from ..handoff import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
+from ..handoff import ClaimReply, DropHold, Id, KeepHold, Text
 
 PROTOCOL_VERSION = 3  # 3: WorkerMetadata.te_session became transport_session
 #: The largest frame a side-channel socket accepts (ZMQ drops the peer that sends more).
 MAX_MESSAGE_BYTES = 16 << 20
 #: Every variable-length field is bounded, so that no peer can make a worker keep more than a
-#: few KiB per message it remembers (early read-done notices are remembered for minutes).
-#: The longest id (transfer, engine) or host name accepted; kv_transfer_params carry no longer.
-MAX_TRANSFER_ID_CHARS = 256
-#: The most prompt blocks one transfer may name.
-MAX_REMOTE_BLOCKS = 1 << 20
+#: few KiB per message it remembers (early read-done notices are remembered for minutes). The
+#: bounds the hand-off shares with routers (ids, block lists, texts: ``Id``, ``BlockIds``,
+#: ``Text``) and the hold messages (``ClaimReply``, ``KeepHold``, ``DropHold``) are defined in
+#: :mod:`..handoff`.
 MAX_ID_CHARS = MAX_TRANSFER_ID_CHARS  # request, transfer and engine ids, incarnations, sessions
-MAX_TEXT_CHARS = 4096  # reasons, error messages, names
 MAX_REGIONS = 1 << 16
 MAX_PACKING_GROUPS = 64  # row groups of a head-major chunk (vLLM CPU: 2)
 MAX_RANK = 1 << 16
 
-Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
-Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
 Size = Annotated[int, msgspec.Meta(ge=0)]
-BlockIds = Annotated[
-    list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_REMOTE_BLOCKS)
-]
 
 
 def bounded_text(text: str) -> str:
@@ -179,21 +176,6 @@ class ClaimRead(msgspec.Struct, tag="claim_read", frozen=True):
     reader: Id = ""  # the claiming decode worker's incarnation: the lease is bound to it
 
 
-class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
-    """``granted``: read within ``lease_s`` seconds of sending the claim; ``pending``: the
-    request is not registered yet, ask again shortly; ``refused``: never read it (released,
-    restarted, not a reader, or another prompt); ``dropped``: never read it, a router freed it
-    because its client left (:class:`DropHold`), so the claiming request is being aborted (a
-    reader that does not know this status takes it for ``refused``). A grant carries the
-    prompt's block ids."""
-
-    status: Id
-    lease_s: float = 0.0
-    reason: Text = ""
-    block_ids: BlockIds = msgspec.field(default_factory=list)
-    num_prompt_tokens: int = -1
-
-
 class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     """A decode rank finished reading a request from this prefill rank (or gave up).
 
@@ -208,28 +190,6 @@ class ReadDone(msgspec.Struct, tag="read_done", frozen=True):
     reason: Text = ""
     reader: Id = ""  # must be the reader the lease was granted to, once one was
     decode_tp: int = -1  # the reader's TP size (-1: the prefill's configured decode TP)
-
-
-class KeepHold(msgspec.Struct, tag="keep_hold", frozen=True):
-    """Keep a transfer's blocks held another release timeout (within the hold's overall bound):
-    sent by a router while the decode request it handed the transfer to may still be waiting in
-    decode's queue, where vLLM gives the connector no hook. Prefill answers with a
-    :class:`ClaimReply`: ``held`` (``lease_s`` left), ``pending`` (not held yet: prefill learns
-    of it one engine step after answering) or ``refused`` (read, released or never held: stop
-    asking)."""
-
-    request_id: Id
-
-
-class DropHold(msgspec.Struct, tag="drop_hold", frozen=True):
-    """Free a transfer's blocks now if no decode rank holds a lease on them: sent by a router
-    whose client left after prefill answered, so the decode request it handed the transfer to
-    was aborted and nobody will read it (without it the hold waits out ``release_timeout_s``).
-    A transfer a reader leased is left to that reader's read-done notice. Prefill answers with
-    a :class:`ClaimReply`: ``refused`` (freed now, or not held) or ``held`` (a reader's lease
-    runs)."""
-
-    request_id: Id
 
 
 #: The most ranges one :class:`VerifyRead` names (decode sends one per read batch, whose

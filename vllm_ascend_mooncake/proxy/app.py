@@ -1,46 +1,44 @@
 """The proxy's HTTP app: each completion request runs on a prefill instance and a decode one.
 
-Clients see one OpenAI-compatible server. By default the answer's first token is the one prefill
-samples: the client gets it as soon as prefill answers and decode continues from it
-(:mod:`.continued`, rules in :mod:`.continuation`). Requests whose parameters decode could not
-continue exactly, and every request under ``--first-token decode`` or ``X-First-Token-From:
-decode``, take the legs where decode samples the first token again (:mod:`.legs`): serial, or
-overlapped once the proxy knows where a prefill instance's KV can be read. Upstream answers that
-are errors reach the client unchanged, so it sees what vLLM said, not the proxy's paraphrase.
+Clients see one OpenAI-compatible server. This module reads a request (its body, its id, a
+client that leaves) and hands it to :mod:`.routing`, which picks its route: by default the
+answer's first token is the one prefill samples (:mod:`.continued_route`, rules in
+:mod:`.continuable`); requests whose parameters decode could not continue exactly, and every
+request under ``--first-token decode`` or ``X-First-Token-From: decode``, take the routes where
+decode samples the first token again (:mod:`.overlapped_route`, :mod:`.serial_route`). Upstream
+answers that are errors reach the client unchanged, so it sees what vLLM said, not the proxy's
+paraphrase.
 
-Instances that do not accept connections, or fail their background health check, are ejected
-(:mod:`.balancer`, :mod:`.health`): requests go to the others until the instance is back. The
-connection layer (failover, relaying streams) is :mod:`.upstreams`; which data-parallel engine
-of a prefill instance gets a leg, :mod:`.prefill_ranks`; a prefill instance every decode
-instance reports it cannot read is routed around, :mod:`.pairing`.
+Every route reaches the instances through :mod:`.pool`. Instances that do not accept
+connections, or fail their background health check, are ejected (:mod:`.balancer`,
+:mod:`.health`): requests go to the others until the instance is back. A prefill instance every
+decode instance reports it cannot read is routed around, :mod:`.pairing`.
 ``GET /health`` is the proxy's own liveness; ``GET /ready`` says whether both roles can serve.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from . import continuation
 from .balancer import Balancer, EjectionPolicy
 from .client_request import ClientRequest
-from .continuation import FIRST_TOKEN_HEADER, FIRST_TOKEN_SOURCES, FROM_DECODE, FROM_PREFILL
-from .continued import ContinuedLegs
+from .continuable import FIRST_TOKEN_HEADER, FIRST_TOKEN_SOURCES, FROM_PREFILL
 from .errors import (
     UpstreamUnreachable,
     error_response,
     upstream_failure_response,
 )
+from .formats.token_texts import TokenTexts
 from .health import (
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_HEALTH_TIMEOUT_S,
@@ -49,11 +47,11 @@ from .health import (
     readiness,
 )
 from .holds import HoldKeeper
-from .legs import Legs
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .model_limits import ModelLimits
 from .pairing import PairingWatch
-from .token_texts import TokenTexts
+from .pool import InstancePool
+from .routing import Router
 from .trace import RequestTrace
 from .upstreams import (
     REQUEST_ID_HEADER,
@@ -112,8 +110,15 @@ class DisaggregatingProxy:
         self.upstreams = UpstreamClient(client, self.metrics, self.outcomes)
         #: set by the app while background health checks run; None when they are off
         self.health_checker: HealthChecker | None = None
-        self.legs = Legs(self.upstreams, prefill, decode, self.metrics)
-        self.continued = ContinuedLegs(self.legs, TokenTexts(client), ModelLimits(client))
+        self.pool = InstancePool(self.upstreams, prefill, decode)
+        self.router = Router(
+            self.pool,
+            self.metrics,
+            TokenTexts(client),
+            ModelLimits(client),
+            timeout_s=timeout_s,
+            overlap_legs=overlap_legs,
+        )
 
     async def generate(self, request: Request, path: str) -> Response:
         """Run one completion request through prefill and decode; every answer, the proxy's own
@@ -145,7 +150,7 @@ class DisaggregatingProxy:
             if name in request.headers:
                 headers[name] = request.headers[name]
         routing = asyncio.create_task(
-            self._route(
+            self.router.route(
                 ClientRequest(
                     path,
                     headers,
@@ -182,36 +187,6 @@ class DisaggregatingProxy:
                 return None
             chunks.append(chunk)
         return b"".join(chunks)
-
-    async def _route(
-        self,
-        request: ClientRequest,
-        first_token: str = FROM_DECODE,
-    ) -> Response:
-        try:
-            if self.prefill.only_unpairable_left():
-                return await self.legs.decode_alone(request)
-            if first_token == FROM_PREFILL:
-                reason = continuation.blocker(request.path, request.body)
-                if reason is None:
-                    return await self.continued.route(request)
-            else:
-                reason = "asked" if first_token == FROM_DECODE else f"header {first_token!r}"
-            self.legs.decode_samples_first_token(reason, request.request_id)
-            if self.overlap_legs:
-                prefill_upstream = self.prefill.ranked()[0]
-                choice = self.legs.prefill_ranks.choose(prefill_upstream.url)
-                # An ejected best prefill (every one is) would likely waste the decode leg.
-                if choice.address is not None and self.prefill.is_healthy(prefill_upstream):
-                    overlapped = await self.legs.overlapped(prefill_upstream, choice, request)
-                    if overlapped is not None:
-                        return overlapped
-                    # the serial retry starts its own stamps
-                    retry_trace = RequestTrace(dict(request.trace.stamps), metrics=self.metrics)
-                    request = dataclasses.replace(request, trace=retry_trace)
-            return await self.legs.serial(request)
-        except (UpstreamUnreachable, httpx.HTTPError) as error:
-            return upstream_failure_response(error, self.timeout_s)
 
     async def models(self) -> Response:
         """Return a decode instance's ``/v1/models`` (every instance serves the same model)."""
@@ -256,10 +231,68 @@ def create_app(
     tried again by one request once its back-off is over. With them on, the probes decide.
     ``renew_holds``: keep prefill's hold on each transfer until decode read it (:mod:`.holds`).
     ``first_token``: ``"prefill"`` (continue from prefill's token where a request allows it,
-    :mod:`.continuation`) or ``"decode"`` (decode samples every answer's first token again).
+    :mod:`.continuable`) or ``"decode"`` (decode samples every answer's first token again).
     ``unpairable_retry``: when a prefill instance no decode can read is tried again
     (:mod:`.pairing`, which needs the health checks).
     """
+    _check_options(
+        first_token=first_token,
+        timeout_s=timeout_s,
+        max_body_bytes=max_body_bytes,
+        connect_timeout_s=connect_timeout_s,
+        health_interval_s=health_interval_s,
+        health_timeout_s=health_timeout_s,
+    )
+    policy = ejection or EjectionPolicy()
+    health_checks = health_interval_s > 0
+    prefill = Balancer(
+        "prefill",
+        prefill_urls,
+        policy,
+        request_trials=not health_checks,
+        unpairable_retry=unpairable_retry,
+    )
+    decode = Balancer("decode", decode_urls, policy, request_trials=not health_checks)
+
+    def start(client: httpx.AsyncClient) -> DisaggregatingProxy:
+        proxy = DisaggregatingProxy(
+            client, prefill, decode, timeout_s, overlap_legs, max_body_bytes, first_token
+        )
+        if renew_holds:
+            proxy.pool.hold_keeper = HoldKeeper(on_renewal=proxy.metrics.hold_renewals.inc)
+        if health_checks:
+            proxy.health_checker = HealthChecker(
+                client, (prefill, decode), proxy.outcomes, health_interval_s, health_timeout_s
+            )
+            proxy.health_checker.pairing = PairingWatch(
+                client, prefill, decode, proxy.pool.prefill_ranks, health_timeout_s
+            )
+        logger.info(
+            "proxying to prefill %s and decode %s; health checks %s",
+            [upstream.url for upstream in prefill.upstreams],
+            [upstream.url for upstream in decode.upstreams],
+            f"every {health_interval_s:g} s" if health_checks else "off",
+        )
+        return proxy
+
+    app = FastAPI(
+        title="vllm-ascend-mooncake P/D proxy",
+        lifespan=_lifespan(start, timeout_s, connect_timeout_s),
+    )
+    _add_endpoints(app)
+    return app
+
+
+def _check_options(
+    *,
+    first_token: str,
+    timeout_s: float,
+    max_body_bytes: int,
+    connect_timeout_s: float,
+    health_interval_s: float,
+    health_timeout_s: float,
+) -> None:
+    """Refuse options no proxy can run with, before anything starts."""
     if first_token not in FIRST_TOKEN_SOURCES:
         raise ValueError(f"first_token must be one of {FIRST_TOKEN_SOURCES}, got {first_token!r}")
     if timeout_s <= 0:
@@ -275,16 +308,15 @@ def create_app(
         )
     if health_timeout_s <= 0:
         raise ValueError(f"health_timeout_s must be positive, got {health_timeout_s}")
-    policy = ejection or EjectionPolicy()
-    health_checks = health_interval_s > 0
-    prefill = Balancer(
-        "prefill",
-        prefill_urls,
-        policy,
-        request_trials=not health_checks,
-        unpairable_retry=unpairable_retry,
-    )
-    decode = Balancer("decode", decode_urls, policy, request_trials=not health_checks)
+
+
+def _lifespan(
+    start: Callable[[httpx.AsyncClient], DisaggregatingProxy],
+    timeout_s: float,
+    connect_timeout_s: float,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's life: one shared HTTP client, the proxy ``start`` builds on it, and its
+    background work (health checks, hold renewals) stopped at the end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -296,25 +328,7 @@ def create_app(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         ) as client:
-            proxy = DisaggregatingProxy(
-                client, prefill, decode, timeout_s, overlap_legs, max_body_bytes, first_token
-            )
-            if renew_holds:
-                proxy.legs.hold_keeper = HoldKeeper(on_renewal=proxy.metrics.hold_renewals.inc)
-            if health_checks:
-                proxy.health_checker = HealthChecker(
-                    client, (prefill, decode), proxy.outcomes, health_interval_s, health_timeout_s
-                )
-                proxy.health_checker.pairing = PairingWatch(
-                    client, prefill, decode, proxy.legs.prefill_ranks, health_timeout_s
-                )
-            app.state.proxy = proxy
-            logger.info(
-                "proxying to prefill %s and decode %s; health checks %s",
-                [upstream.url for upstream in prefill.upstreams],
-                [upstream.url for upstream in decode.upstreams],
-                f"every {health_interval_s:g} s" if health_checks else "off",
-            )
+            proxy = app.state.proxy = start(client)
             if proxy.health_checker is not None:
                 proxy.health_checker.start()
             try:
@@ -322,10 +336,14 @@ def create_app(
             finally:
                 if proxy.health_checker is not None:
                     await proxy.health_checker.stop()
-                if proxy.legs.hold_keeper is not None:
-                    await proxy.legs.hold_keeper.close()
+                if proxy.pool.hold_keeper is not None:
+                    await proxy.pool.hold_keeper.close()
 
-    app = FastAPI(title="vllm-ascend-mooncake P/D proxy", lifespan=lifespan)
+    return lifespan
+
+
+def _add_endpoints(app: FastAPI) -> None:
+    """The OpenAI endpoints, the proxy's health, readiness and metrics."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -350,5 +368,3 @@ def create_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.proxy.metrics.exposition(), media_type=CONTENT_TYPE)
-
-    return app

@@ -16,7 +16,7 @@ from .balancer import (
     DEFAULT_MAX_BACKOFF_S,
     EjectionPolicy,
 )
-from .continuation import FIRST_TOKEN_SOURCES, FROM_PREFILL
+from .continuable import FIRST_TOKEN_SOURCES, FROM_PREFILL
 from .health import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

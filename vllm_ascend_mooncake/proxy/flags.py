@@ -1,4 +1,5 @@
-"""A client's boolean request flags, read the way vLLM reads them.
+"""A client's request fields the proxy decides on, read the way vLLM reads them: its boolean
+flags, and the answer's token limit (:func:`token_limit`).
 
 vLLM's request models are pydantic models in lax mode: a boolean field takes ``true``/``false``,
 the numbers 0 and 1, and the strings ``"1" "on" "t" "true" "y" "yes"`` / ``"0" "off" "f"
@@ -10,6 +11,7 @@ refuses (vLLM answers 400) reads as None, neither true nor false.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -44,3 +46,13 @@ def is_false(value: Any) -> bool:
 def is_flag(value: Any) -> bool:
     """Whether vLLM takes ``value`` as a boolean at all."""
     return json_bool(value) is not None
+
+
+def token_limit(body: Mapping[str, Any]) -> int | None:
+    """The answer's token limit the client set (chat's ``max_completion_tokens`` first, as vLLM
+    reads it), or None."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

@@ -41,9 +41,8 @@ from ..datapath.side_channel import (
     refusal_checked,
     zmq_address,
 )
-from ..datapath.wire import ClaimReply, DropHold, KeepHold, Message
-from ..names import SECRET_ENV
-from .payloads import prefill_address
+from ..datapath.wire import Message
+from ..handoff import SECRET_ENV, ClaimReply, DropHold, KeepHold, prefill_address
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ instance (only those lines of the page are parsed). A prefill instance all of wh
 ids every one of them reports is marked *unpairable* on the prefill balancer
 (:meth:`~.balancer.Balancer.mark_unpairable`): ``/ready`` shows it with the reason, one WARNING
 is logged, and requests go to the other prefill instances. When no other prefill instance is
-routable, requests go to decode alone (:meth:`.legs.Legs.decode_alone`): decode would compute
-the prompt anyway, so a prefill leg would only add its latency and waste its compute.
+routable, requests go to decode alone (:meth:`.serial_route.SerialRoute.decode_alone`): decode
+would compute the prompt anyway, so a prefill leg would only add its latency and waste its compute.
 
 The mark is lifted (INFO) as soon as the instance's engine ids are no longer all reported: its
 answer to a retry request (due after a back-off that doubles, see the balancer) shows a new

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .payloads import prefill_address
+from ..handoff import prefill_address
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class RankChoice:
 
     #: the engine index to pin with :data:`DP_RANK_HEADER`; None: let the instance pick
     dp_rank: int | None
-    #: that engine's address (the keys of :data:`.payloads.PREFILL_ADDRESS_KEYS`); None: not
+    #: that engine's address (the keys of :data:`..handoff.PREFILL_ADDRESS_KEYS`); None: not
     #: known yet, so the legs go serial
     address: dict[str, Any] | None
 

@@ -1,4 +1,4 @@
-"""One answer out of a continued request's two legs (:mod:`.continuation`).
+"""One answer out of a continued request's two legs (:mod:`..continuable`).
 
 The client gets what one colocated vLLM instance would have sent: prefill's token first (as
 vLLM's opening stream chunks, or prefill's whole answer when that token ends it), then decode's
@@ -18,8 +18,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .continuation import FirstToken
-from .flags import is_true
+from ..flags import is_true
+from .prefill_answer import FirstToken
 
 _REASONING_KEYS = ("reasoning", "reasoning_content")
 
