@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ascend_mooncake.launch.engine_env import apply_engine_env
-from vllm_ascend_mooncake.testing.geometry_draw import (
+from vam_testing.geometry_draw import (
     DRAWS_ENV_VAR,
     SEED_ENV_VAR,
     draw_geometry,
     run_seeds,
 )
+from vllm_ascend_mooncake.launch.engine_env import apply_engine_env
 
 apply_engine_env()
 

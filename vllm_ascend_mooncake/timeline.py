@@ -27,6 +27,8 @@ from typing import Any
 
 #: Phase names, in order, as exported (``vllm:mooncake_hetero_pull_phase_seconds{phase=...}``).
 PHASES = ("grant_wait", "lane_wait", "read", "fixup", "report_wait")
+#: The histogram the pull phases are exported as, one ``phase`` label value per name of PHASES.
+PULL_PHASE_METRIC = "vllm:mooncake_hetero_pull_phase_seconds"
 
 #: Set to 1 to log the per-request lines at INFO instead of DEBUG.
 TIMELINE_LOG_ENV = "VAM_TIMELINE_LOG"

@@ -41,7 +41,7 @@ from benchmarks.common import add_json_arg, environment, make_parser, write_json
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
 from vllm_ascend_mooncake.timeline import TIMELINE_LOG_ENV
 
-from . import bench_serve, request_timeline, timeline
+from . import bench_serve, phase_means, request_timeline
 from .cpu_usage import cpu_seconds_between, group_cpu_seconds, idle_cores
 from .load_generator import CellResult, probe_token_ids, run_cell
 from .prompts import make_prompt, regular_token_ids
@@ -324,15 +324,15 @@ def benchmark_system(
                 )
                 for i in range(args.requests_per_cell)
             ]
-            before = timeline.snapshot(system.instances())
+            before = phase_means.snapshot(system.instances())
             window_start = time.time()
             result = _measure_cell(system, model, prompts, prompt_len, concurrency, args, log_dir)
             window = (window_start, time.time())
             summary = summarize_cell(system.name, prompt_len, concurrency, result, args.max_tokens)
             summary = replace(summary, window=window)
             time.sleep(STATS_INTERVAL_S + 0.5)  # connector histograms arrive once per interval
-            after = timeline.snapshot(system.instances())
-            summary = replace(summary, timeline_ms=timeline.mean_ms(before, after))
+            after = phase_means.snapshot(system.instances())
+            summary = replace(summary, phase_means_ms=phase_means.mean_ms(before, after))
             report.cells.append(summary)
             print(
                 f"[{system.name}] prompt {prompt_len:>4} conc {concurrency:>2}: "
@@ -501,10 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(verdict["cells"] for verdict in verdicts):
         print("\nTargets (issue #28), ratios per cell:")
         print(targets_table(verdicts))
-    timelines = [(s.system, s.prompt_len, s.concurrency, s.timeline_ms) for s in summaries]
-    if any(means for *_, means in timelines):
-        print("\nTimeline: mean ms per request and phase (phases overlap; see timeline.py):")
-        print(timeline.timeline_table(timelines))
+    cells = [(s.system, s.prompt_len, s.concurrency, s.phase_means_ms) for s in summaries]
+    if any(means for *_, means in cells):
+        print("\nPhases: mean ms per request and phase (phases overlap; see phase_means.py):")
+        print(phase_means.phase_means_table(cells))
     breakdowns = [
         (s.system, s.prompt_len, s.concurrency, request_timeline.CellTimeline(**s.request_timeline))
         for s in summaries

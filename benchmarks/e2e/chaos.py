@@ -5,7 +5,7 @@ Closed-loop clients send requests drawn from a seeded mix: prompt lengths, ``max
 streamed or not, ``n`` 1 or 2, and clients that hang up after the first chunk. Meanwhile, in
 order: prefill B is killed (SIGKILL) and restarted on its ports; once it is back, prefill A is
 frozen (SIGSTOP) for ``freeze_s`` and thawed; then, when the instances run in network namespaces
-(:mod:`vllm_ascend_mooncake.testing.netns`), the link between the prefill and decode hosts is
+(:mod:`vam_testing.netns`), the link between the prefill and decode hosts is
 slowed with ``tc netem``. The load stops once every fault happened and ``requests`` requests
 ended.
 
@@ -47,12 +47,12 @@ from benchmarks.e2e.fault_attribution import (
     failed_pulls,
     fault_windows,
 )
+from vam_testing.netns import TwoHostNetwork, missing_requirements
 from vllm_ascend_mooncake.launch.deployment import LOOPBACK, DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import VllmServer, process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
 
 TEXT = " ".join(f"chaos{i} keeps the decode instance honest" for i in range(120))
 #: prompt lengths in tokens and max_tokens drawn per request

@@ -83,8 +83,8 @@ class CellSummary:
     mean_content_chunks: float | None
     #: Per request (successful or not): TTFT and end-to-end ms, chunk and token counts, error.
     per_request: tuple[dict[str, Any], ...] = ()
-    #: Mean ms per phase of the cell's requests, from the instances' histograms (timeline.py).
-    timeline_ms: dict[str, float] = field(default_factory=dict)
+    #: Mean ms per phase of the cell's requests, from the instances' histograms (phase_means.py).
+    phase_means_ms: dict[str, float] = field(default_factory=dict)
     #: Wall-clock start and end of the cell's load, which picks its requests' timeline lines.
     window: tuple[float, float] = (0.0, 0.0)
     #: Critical-path breakdown joined from the instances' timeline lines (request_timeline.py).
@@ -113,7 +113,7 @@ class CellSummary:
             "first_error": self.first_error,
             "mean_content_chunks": self.mean_content_chunks,
             "per_request": list(self.per_request),
-            "timeline_ms": self.timeline_ms,
+            "phase_means_ms": self.phase_means_ms,
             "request_timeline": self.request_timeline,
         }
 

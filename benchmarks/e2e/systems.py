@@ -200,7 +200,7 @@ class BenchSystem(abc.ABC):
 
     def instances(self) -> dict[str, str]:
         """Base URL of each vLLM instance by role ("prefill", "decode" or "colocated"), whose
-        ``/metrics`` the per-phase timeline reads."""
+        ``/metrics`` the per-phase means (phase_means.py) read."""
         return {}
 
 

@@ -1,6 +1,6 @@
 """How far colocated instances of one random-geometry draw drift apart when only their TP differs.
 
-No P/D, no transfer: the draw's model (:mod:`vllm_ascend_mooncake.testing.geometry_draw`) served
+No P/D, no transfer: the draw's model (:mod:`vam_testing.geometry_draw`) served
 colocated at TP 1 and at the draw's prefill and decode TP sizes, each prompt of the draw (and
 the random-geometry test's negative-control prompt) asked twice, the second answer kept (prefix-
 cached, as the test's reference). Prints, per pair of TP sizes and per prompt, the largest
@@ -17,14 +17,14 @@ import itertools
 
 import httpx
 
-from vllm_ascend_mooncake.launch.servers import VllmServer
-from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
-from vllm_ascend_mooncake.testing.answers import greedy_answer, prompt_ids
-from vllm_ascend_mooncake.testing.geometry_draw import (
+from vam_testing.answers import greedy_answer, prompt_ids
+from vam_testing.geometry_draw import (
     PROMPT_TEXT,
     draw_geometry,
     negative_control_prompt,
 )
+from vllm_ascend_mooncake.launch.servers import VllmServer
+from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12

@@ -19,13 +19,13 @@ import time
 from vllm.v1.request import Request, RequestStatus
 
 from benchmarks.common import add_json_arg, make_parser, write_json
-from vllm_ascend_mooncake.connector.facade import StepMetadata
-from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
-from vllm_ascend_mooncake.testing.scheduler_fakes import (
+from vam_testing.scheduler_fakes import (
     connector_scheduler,
     kv_blocks,
     vllm_request,
 )
+from vllm_ascend_mooncake.connector.facade import StepMetadata
+from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
 
 BLOCK = 128
 PROMPT_TOKENS = 4096

@@ -40,10 +40,10 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.e2e.cpu_usage import parse_cpu_seconds
+from vam_testing.datapath_cases import CaseSpec, RequestSpec
+from vam_testing.datapath_harness import WorkerProcess
 from vllm_ascend_mooncake.core.topology import request_seed
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.datapath_cases import CaseSpec, RequestSpec
-from vllm_ascend_mooncake.testing.datapath_harness import WorkerProcess
 
 TARGETS = {"homogeneous": 0.95, "heterogeneous": 0.85}
 

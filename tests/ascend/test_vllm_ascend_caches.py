@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from vam_testing.kv_reference import owned_heads
 from vllm_ascend_mooncake.connector.attention_layers import (
     LayerGeometry,
     attention_geometry,
@@ -38,7 +39,6 @@ from vllm_ascend_mooncake.datapath import mooncake as mooncake_module
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.registration import kv_memory_ranges, regions_from_split_caches
 from vllm_ascend_mooncake.datapath.transport import MemoryRange
-from vllm_ascend_mooncake.testing.kv_reference import owned_heads
 
 #: vllm-ascend's raw-allocation alignment when a KV connector is configured
 #: (``_allocate_kv_cache_tensors``: ``alignment = 2 * 1024 * 1024``, 0.23.0.post1 l.4101,

@@ -520,9 +520,9 @@ def test_shim_is_inert_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None
     assert accelerator.current_device_index() == 7
 
 
-# -- per-phase timeline ------------------------------------------------------------------------
+# -- per-phase means ---------------------------------------------------------------------------
 
-timeline = importlib.import_module("benchmarks.e2e.timeline")
+phase_means = importlib.import_module("benchmarks.e2e.phase_means")
 
 
 def _metrics_server(pages: list[str]):
@@ -563,25 +563,25 @@ def _page(grant_sum: float, grant_count: int, ttft_sum: float, ttft_count: int) 
     )
 
 
-def test_timeline_means_are_per_cell_differences_of_the_instances_histograms() -> None:
+def test_phase_means_are_per_cell_differences_of_the_instances_histograms() -> None:
     server = _metrics_server([_page(1.0, 10, 2.0, 10), _page(1.3, 13, 2.6, 13)])
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        before = timeline.snapshot({"decode": url})
-        after = timeline.snapshot({"decode": url})
+        before = phase_means.snapshot({"decode": url})
+        after = phase_means.snapshot({"decode": url})
     finally:
         server.shutdown()
-    means = timeline.mean_ms(before, after)
+    means = phase_means.mean_ms(before, after)
     assert means == {
         "decode: pull grant wait": pytest.approx(100.0),
         "decode: arrival to first token": pytest.approx(200.0),
     }  # the read phase saw nothing in this cell: left out
-    table = timeline.timeline_table([("ours", 256, 1, means), ("colocated", 256, 1, {})])
+    table = phase_means.phase_means_table([("ours", 256, 1, means), ("colocated", 256, 1, {})])
     assert "ours, prompt 256, concurrency 1:" in table and "colocated" not in table
 
 
-def test_timeline_skips_an_instance_that_does_not_answer() -> None:
-    assert timeline.snapshot({"decode": "http://127.0.0.1:9"}, timeout_s=2) == {}
+def test_phase_means_skip_an_instance_that_does_not_answer() -> None:
+    assert phase_means.snapshot({"decode": "http://127.0.0.1:9"}, timeout_s=2) == {}
 
 
 # -- vllm bench serve ----------------------------------------------------------------------------

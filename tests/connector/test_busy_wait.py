@@ -10,13 +10,13 @@ import zmq
 from vllm.distributed.device_communicators import shm_broadcast
 from vllm.utils.network_utils import get_open_zmq_ipc_path
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector import busy_wait
 from vllm_ascend_mooncake.connector.busy_wait import (
     BUSY_WAIT_ENV,
     busy_wait_cap_from_env,
     cap_busy_wait,
 )
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @pytest.fixture

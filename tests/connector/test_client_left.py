@@ -14,8 +14,8 @@ import logging
 
 from test_sleep_mode import BLOCK, Pair, _blocks
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.datapath.orders import PullOrder
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 def test_a_claim_that_races_its_clients_leaving_is_no_failure_and_loads_nothing(caplog) -> None:

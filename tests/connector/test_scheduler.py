@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_ascend_mooncake.connector.config import parse_config
-from vllm_ascend_mooncake.connector.params import MAX_TRANSFER_ID_CHARS
-from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
-from vllm_ascend_mooncake.datapath.orders import HoldOrder
-from vllm_ascend_mooncake.testing.scheduler_fakes import (
+from vam_testing.scheduler_fakes import (
     connector_scheduler,
     kv_blocks,
     vllm_request,
 )
+from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.params import MAX_TRANSFER_ID_CHARS
+from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
+from vllm_ascend_mooncake.datapath.orders import HoldOrder
 
 BLOCK = 32
 

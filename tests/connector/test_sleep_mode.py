@@ -15,6 +15,7 @@ import threading
 import torch
 from test_wiring import BLOCK, BLOCKS, HEADS, LAYERS, _kv_cache, _who, config
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector
 from vllm_ascend_mooncake.connector.stats import TransferStats
 from vllm_ascend_mooncake.connector.wiring import (
@@ -29,7 +30,6 @@ from vllm_ascend_mooncake.datapath.failures import FailureKind
 from vllm_ascend_mooncake.datapath.fake import InProcessTransport
 from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 PAGE = HEADS * BLOCK * 8  # floats per block and layer (test_wiring's CONTENT is 8)
 

@@ -9,6 +9,7 @@ import uuid
 import pytest
 import torch
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.config import MIB, parse_config
 from vllm_ascend_mooncake.connector.wiring import (
     KVCacheMemory,
@@ -29,7 +30,6 @@ from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.registration import regions_from_vllm_views
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 def config(prefill_tp: int = 2, decode_tp: int = 1, **extra):

@@ -1,4 +1,5 @@
-"""Every Sphinx cross-reference in the package's docstrings names something that exists.
+"""Every Sphinx cross-reference in the package's docstrings (and the test fixtures', vam_testing)
+names something that exists.
 
 Docstrings point at other code with roles such as :mod:`.engine`,
 :func:`..core.layout.kernel_block_ids` or :class:`~.wire.RegionInfo`. A module moved or a function
@@ -30,27 +31,32 @@ from types import ModuleType
 
 import pytest
 
+import vam_testing
 import vllm_ascend_mooncake
 
 NAME = vllm_ascend_mooncake.__name__
+#: The packages whose docstrings are checked: the shipped one and the test fixtures beside it.
+PACKAGES = (vllm_ascend_mooncake, vam_testing)
 ROLES = ("mod", "func", "class", "meth", "data", "attr", "exc", "obj", "const")
 REFERENCE = re.compile(r":(?:py:)?(" + "|".join(ROLES) + r"):`([^`]+)`")
 _MISSING = object()
 
 
 def _modules() -> tuple[dict[str, ModuleType], list[str]]:
-    """The package's modules by name, and those whose import needs a missing optional dependency."""
-    modules = {NAME: vllm_ascend_mooncake}
+    """The packages' modules by name, and those whose import needs a missing optional dependency."""
+    modules: dict[str, ModuleType] = {}
     skipped = []
-    for info in pkgutil.walk_packages(vllm_ascend_mooncake.__path__, NAME + "."):
-        if info.name.endswith(".__main__"):  # runs the program when imported
-            continue
-        try:
-            modules[info.name] = importlib.import_module(info.name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or exc.name.split(".")[0] == NAME:
-                raise
-            skipped.append(f"{info.name} (needs {exc.name})")
+    for package in PACKAGES:
+        modules[package.__name__] = package
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.endswith(".__main__"):  # runs the program when imported
+                continue
+            try:
+                modules[info.name] = importlib.import_module(info.name)
+            except ModuleNotFoundError as exc:
+                if exc.name is None or exc.name.split(".")[0] in {p.__name__ for p in PACKAGES}:
+                    raise
+                skipped.append(f"{info.name} (needs {exc.name})")
     return modules, skipped
 
 

@@ -132,3 +132,27 @@ def test_layers_import_only_the_layers_below() -> None:
             if other_layer in LAYERS and other_layer != layer and other_layer not in LAYERS[layer]:
                 wrong.append(f"{module} imports {other}")
     assert wrong == []
+
+
+#: Top-level packages of the repository that the wheel does not ship: importing one from the
+#: package would break every installed copy.
+UNSHIPPED = {"vam_testing", "tests", "benchmarks"}
+
+
+def test_the_package_imports_nothing_it_does_not_ship() -> None:
+    """The test fixtures (vam_testing/), tests and benchmarks sit beside the package, not in it."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            wrong += [
+                f"{path.relative_to(PACKAGE.parent)} imports {name}"
+                for name in names
+                if name.split(".")[0] in UNSHIPPED
+            ]
+    assert wrong == []

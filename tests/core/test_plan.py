@@ -1,5 +1,5 @@
 """Equal block sizes on prefill and decode: plans executed on numpy memories reproduce the
-reference KV byte for byte (the simulator: :mod:`vllm_ascend_mooncake.testing.plan_simulator`)."""
+reference KV byte for byte (the simulator: :mod:`vam_testing.plan_simulator`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from vam_testing.kv_reference import LAYOUT_KINDS
+from vam_testing.plan_simulator import PullCase, simulate_pull
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError, Region, RegionLayout
 from vllm_ascend_mooncake.core.plan import PlanError, plan_request
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
-from vllm_ascend_mooncake.testing.kv_reference import LAYOUT_KINDS
-from vllm_ascend_mooncake.testing.plan_simulator import PullCase, simulate_pull
 
 
 def block_table(draw, count: int, total: int, style: str) -> list[int]:

@@ -1,6 +1,6 @@
 """Different block sizes on prefill and decode: plans reproduce the reference, token by token.
 
-The simulator (:mod:`vllm_ascend_mooncake.testing.plan_simulator`, shared with the equal-size
+The simulator (:mod:`vam_testing.plan_simulator`, shared with the equal-size
 tests) checks token by token: token ``t`` of the prompt sits in a side's ``t // B``-th block at
 slot ``t % B``, whatever the other side's block size.
 """
@@ -14,6 +14,18 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from vam_testing.kv_reference import (
+    LAYOUT_KINDS,
+    cpu_like_packing,
+    owned_heads,
+    region_layouts,
+)
+from vam_testing.plan_simulator import (
+    PullCase,
+    cdiv,
+    draw_block_ids,
+    simulate_pull,
+)
 from vllm_ascend_mooncake.core.layout import (
     BlockOrder,
     LayoutError,
@@ -32,18 +44,6 @@ from vllm_ascend_mooncake.core.plan import (
 )
 from vllm_ascend_mooncake.core.plan_tokens import align_tokens
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
-from vllm_ascend_mooncake.testing.kv_reference import (
-    LAYOUT_KINDS,
-    cpu_like_packing,
-    owned_heads,
-    region_layouts,
-)
-from vllm_ascend_mooncake.testing.plan_simulator import (
-    PullCase,
-    cdiv,
-    draw_block_ids,
-    simulate_pull,
-)
 
 
 def prompt_case(

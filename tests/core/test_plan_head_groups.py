@@ -1,6 +1,6 @@
 """Regions of different head groups in one request: a draft (EAGLE/MTP) layer with a KV-head
 count of its own is sharded by its own count and pulled with its own group's pulls, every byte
-landing where decode's layout expects it (the simulator: :mod:`~.testing.plan_simulator`)."""
+landing where decode's layout expects it (the simulator: :mod:`vam_testing.plan_simulator`)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
-from vllm_ascend_mooncake.core.plan import RequestPulls, may_need_staging, plan_request
-from vllm_ascend_mooncake.core.topology import Topologies, TopologyError, TransferTopology
-from vllm_ascend_mooncake.testing.kv_reference import LAYOUT_KINDS, region_table
-from vllm_ascend_mooncake.testing.plan_simulator import (
+from vam_testing.kv_reference import LAYOUT_KINDS, region_table
+from vam_testing.plan_simulator import (
     PullCase,
     cdiv,
     draw_block_ids,
     simulate_pull,
 )
+from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
+from vllm_ascend_mooncake.core.plan import RequestPulls, may_need_staging, plan_request
+from vllm_ascend_mooncake.core.topology import Topologies, TopologyError, TransferTopology
 
 TPS = (1, 2, 4, 8)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from vam_testing.kv_reference import AddressSpace, run_row_copies, run_swap
 from vllm_ascend_mooncake.core.plan import RowCopies, SwapAxes
 from vllm_ascend_mooncake.core.relayout import (
     LocalMemory,
@@ -15,7 +16,6 @@ from vllm_ascend_mooncake.core.relayout import (
     register_swap_fast_path,
     unregister_swap_fast_path,
 )
-from vllm_ascend_mooncake.testing.kv_reference import AddressSpace, run_row_copies, run_swap
 
 
 def _memories(sizes: list[int], seed: int) -> tuple[LocalMemory, AddressSpace, list[torch.Tensor]]:

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vam_testing.kv_reference import owned_heads
 from vllm_ascend_mooncake.core.topology import (
     HeadPull,
     TopologyError,
     TransferTopology,
     request_seed,
 )
-from vllm_ascend_mooncake.testing.kv_reference import owned_heads
 
 HEADS = [1, 2, 4, 8, 16, 32]
 TPS = [1, 2, 4, 8, 16]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.datapath import claims as claims_module
 from vllm_ascend_mooncake.datapath.claims import ClaimExchange
 from vllm_ascend_mooncake.datapath.side_channel import (
@@ -31,7 +32,6 @@ from vllm_ascend_mooncake.datapath.wire import (
     encode,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 

@@ -9,6 +9,8 @@ import uuid
 import pytest
 import torch
 
+from vam_testing.kv_reference import owned_heads
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.wiring import (
     DecodeSettings,
     KVCacheMemory,
@@ -23,8 +25,6 @@ from vllm_ascend_mooncake.datapath.orders import PullOrder
 from vllm_ascend_mooncake.datapath.registration import LayerHeads, regions_from_vllm_views
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.kv_reference import owned_heads
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 BLOCKS, BLOCK, CONTENT = 6, 4, 8
 DRAFT = "model.layers.2.self_attn.attn"  # EAGLE numbers its layer after the model's two

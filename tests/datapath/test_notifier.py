@@ -10,6 +10,7 @@ import time
 import pytest
 import zmq
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.datapath.notifier import ReadDoneNotifier
 from vllm_ascend_mooncake.datapath.side_channel import (
     PeerSilent,
@@ -19,7 +20,6 @@ from vllm_ascend_mooncake.datapath.side_channel import (
 )
 from vllm_ascend_mooncake.datapath.wire import Ack, ErrorReply, ReadDone
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 CLIENT_TIMEOUT_S = 0.3
 

@@ -12,9 +12,9 @@ import zlib
 
 import pytest
 
+from vam_testing.datapath_cases import CaseSpec, RequestSpec
+from vam_testing.datapath_harness import WorkerProcess
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.datapath_cases import CaseSpec, RequestSpec
-from vllm_ascend_mooncake.testing.datapath_harness import WorkerProcess
 from vllm_ascend_mooncake.timeline import PHASES
 
 pytestmark = pytest.mark.mooncake

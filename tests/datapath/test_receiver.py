@@ -18,6 +18,9 @@ import pytest
 import torch
 import zmq
 
+from vam_testing.kv_caches import KVCache
+from vam_testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.wiring import (
     DecodeSettings,
     KVCacheMemory,
@@ -41,9 +44,6 @@ from vllm_ascend_mooncake.datapath.side_channel import SideChannelError
 from vllm_ascend_mooncake.datapath.transport import TransferError
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.kv_caches import KVCache
-from vllm_ascend_mooncake.testing.kv_reference import ReferenceKV, ReferencePrompt, owned_heads
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 BLOCK_SIZE, HEAD_SIZE, LAYERS = 16, 8, 2

@@ -12,6 +12,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.datapath.side_channel import (
     Park,
     PeerRefused,
@@ -34,7 +35,6 @@ from vllm_ascend_mooncake.datapath.wire import (
     encode,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,11 @@ from typing import Generic, TypeVar
 import httpx
 import pytest
 
+from vam_testing.answers import greedy_answer
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.launch.deployment import LocalDeployment
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import VllmServer
-from vllm_ascend_mooncake.testing.answers import greedy_answer
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
@@ -272,7 +272,7 @@ BF16_LOGPROB_BOUND = 0.5
 
 
 def complete_ids(url: str, name: str, prompt: list[int], **extra) -> dict:
-    """:func:`~vllm_ascend_mooncake.testing.answers.greedy_answer`, ``ID_MAX_TOKENS`` tokens
+    """:func:`~vam_testing.answers.greedy_answer`, ``ID_MAX_TOKENS`` tokens
     unless ``extra`` says otherwise."""
     return greedy_answer(url, name, prompt, **{"max_tokens": ID_MAX_TOKENS, **extra})
 

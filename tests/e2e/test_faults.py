@@ -25,6 +25,7 @@ import httpx
 import pytest
 from pd_checks import metric, settled_totals, transfer_evidence, wait_for_metric
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.params import release_target
 from vllm_ascend_mooncake.handoff import SECRET_ENV
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
@@ -32,7 +33,6 @@ from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.launch.prometheus import metric_sum, metrics_text
 from vllm_ascend_mooncake.launch.servers import process_group_members
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -31,9 +31,9 @@ from pd_checks import (
     settled_totals,
 )
 
+from vam_testing.answers import prompt_ids
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.answers import prompt_ids
 
 #: The proxy's count of first tokens decode sampled again, by reason; a first token that is part
 #: of a character is one (proxy/formats/token_texts.py).

@@ -61,11 +61,11 @@ from pd_checks import (
 )
 from pd_checks import complete_ids as complete
 
+from vam_testing.answers import prompt_ids
 from vllm_ascend_mooncake.handoff import prefill_address
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
-from vllm_ascend_mooncake.testing.answers import prompt_ids
 
 DTYPE = "bfloat16"
 

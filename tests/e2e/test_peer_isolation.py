@@ -32,11 +32,11 @@ from pd_checks import (
     settled_totals,
 )
 
+from vam_testing.answers import prompt_ids
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.answers import prompt_ids
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -1,7 +1,7 @@
 """End to end on geometries nobody picked: each run draws a few (seeded; the seeds are in the
 session header and in each test's id; ``--geometry-seed N`` reruns one).
 
-A draw (:mod:`vllm_ascend_mooncake.testing.geometry_draw`) is a tiny Llama, Qwen2 or DeepSeek-V2
+A draw (:mod:`vam_testing.geometry_draw`) is a tiny Llama, Qwen2 or DeepSeek-V2
 (MLA) model with random KV heads, head size, layers and dtype, and a P/D topology: prefill and
 decode TP sizes up to 4 and each side's block size (mixed where vLLM CPU's packing is known). The
 deployment serves prompts of drawn lengths through ``vam-proxy``, then again through a client
@@ -36,15 +36,15 @@ from pd_checks import (
     metric,
 )
 
-from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
-from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
-from vllm_ascend_mooncake.testing.answers import prompt_ids
-from vllm_ascend_mooncake.testing.geometry_draw import (
+from vam_testing.answers import prompt_ids
+from vam_testing.geometry_draw import (
     LONGEST_PROMPT,
     PROMPT_TEXT,
     GeometryDraw,
     negative_control_prompt,
 )
+from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
+from vllm_ascend_mooncake.launch.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.engine
 

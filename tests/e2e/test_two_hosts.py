@@ -1,6 +1,6 @@
 """End to end across two emulated hosts: prefill and decode in network namespaces of their own.
 
-The hosts are joined only through a router (:mod:`vllm_ascend_mooncake.testing.netns`): no
+The hosts are joined only through a router (:mod:`vam_testing.netns`): no
 loopback between them, each instance advertises its own address (``VLLM_HOST_IP``), and every
 byte between them, the proxy's HTTP to prefill, the side channel and Mooncake's reads, crosses a
 link whose one-way delay and bandwidth the test sets. The proxy runs beside decode. Prefill TP 2,
@@ -23,10 +23,10 @@ import httpx
 import pytest
 from pd_checks import assert_clean_transfers, assert_same, complete, metric
 
+from vam_testing.netns import TwoHostNetwork, missing_requirements
 from vllm_ascend_mooncake.launch.deployment import DeploymentSpec, LocalDeployment
 from vllm_ascend_mooncake.launch.servers import VllmServer
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
 
 pytestmark = [
     pytest.mark.engine,

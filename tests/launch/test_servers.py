@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.launch import vllm_cli
 from vllm_ascend_mooncake.launch.servers import (
     UNIPROC_ENV,
@@ -24,7 +25,6 @@ from vllm_ascend_mooncake.launch.servers import (
     process_group_members,
 )
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec, build_tiny_model
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 def _has_distribution(name: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from vllm_ascend_mooncake.testing.waiting import wait_until
+from vam_testing.waiting import wait_until
 
 #: What the ``start_proxy`` fixture (conftest.py) gives a test: start a proxy, get a client.
 StartProxy = Callable[..., httpx.Client]

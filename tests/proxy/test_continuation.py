@@ -22,6 +22,7 @@ import pytest
 from fake_vllm import PARTIAL_CHARACTER_TOKENS, FakeVllm, TinyEngine
 from loopback_server import serve_on_loopback
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.continuable import (
     FIRST_TOKEN_HEADER,
@@ -29,7 +30,6 @@ from vllm_ascend_mooncake.proxy.continuable import (
     REASON_LABELS,
     blocker,
 )
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -26,10 +26,10 @@ from loopback_server import (
     serve_on_loopback,
 )
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, CircuitState, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import build_parser
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8}

@@ -14,13 +14,13 @@ import pytest
 from fake_vllm import FakeVllm
 from loopback_server import serve_on_loopback
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.proxy import continued_route, holds
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 RELEASE_TIMEOUT_S = 1.0

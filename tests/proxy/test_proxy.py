@@ -21,13 +21,13 @@ import pytest
 from fake_vllm import OMIT, FakeVllm
 from loopback_server import StartProxy, refusing_port, serve_on_loopback
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.connector.params import MAX_TRANSFER_ID_CHARS
 from vllm_ascend_mooncake.handoff import PREFILL_KV_TRANSFER_PARAMS
 from vllm_ascend_mooncake.launch.ports import free_port
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, EjectionPolicy
 from vllm_ascend_mooncake.proxy.cli import main
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

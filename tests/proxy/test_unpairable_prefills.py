@@ -15,10 +15,10 @@ import pytest
 from fake_vllm import FakeVllm
 from loopback_server import serve_on_loopback
 
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.proxy import create_app
 from vllm_ascend_mooncake.proxy.balancer import Balancer, EjectionPolicy
 from vllm_ascend_mooncake.proxy.pairing import unpairable_engines
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8}

@@ -22,9 +22,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake import handoff
-from vllm_ascend_mooncake.proxy import bodies
-from vllm_ascend_mooncake.testing.vllm_scheduler import (
+from vam_testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     Instance,
     Step,
@@ -32,6 +30,8 @@ from vllm_ascend_mooncake.testing.vllm_scheduler import (
     prompt_tokens,
     remote_prefill_params,
 )
+from vllm_ascend_mooncake import handoff
+from vllm_ascend_mooncake.proxy import bodies
 
 BLOCK = 16
 

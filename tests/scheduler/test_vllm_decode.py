@@ -1,7 +1,7 @@
 """Decode (kv_consumer) in vLLM's real scheduler: the connector as ``Scheduler`` drives it.
 
 vLLM's ``Scheduler`` runs in process with our connector built by vLLM's factory in the SCHEDULER
-role (``vllm_ascend_mooncake.testing.vllm_scheduler``). The only fake is the worker: each step's
+role (``vam_testing.vllm_scheduler``). The only fake is the worker: each step's
 ``ModelRunnerOutput`` is written by the test, with the ``KVConnectorOutput`` our worker side
 reports (``connector/worker.py``): a finished pull in ``finished_recving``; a failed one there
 too, with its local blocks in ``invalid_block_ids`` (``get_block_ids_with_load_errors``); a
@@ -15,7 +15,7 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake.testing.vllm_scheduler import (
+from vam_testing.vllm_scheduler import (
     SIDE_CHANNEL_HOST,
     SIDE_CHANNEL_PORT,
     Instance,

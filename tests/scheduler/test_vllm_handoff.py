@@ -18,11 +18,7 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake import handoff
-from vllm_ascend_mooncake.connector.params import InvalidTransferParams
-from vllm_ascend_mooncake.proxy import bodies
-from vllm_ascend_mooncake.proxy.formats import prefill_answer
-from vllm_ascend_mooncake.testing.vllm_scheduler import (
+from vam_testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     SIDE_CHANNEL_PORT,
     Instance,
@@ -30,6 +26,10 @@ from vllm_ascend_mooncake.testing.vllm_scheduler import (
     prompt_tokens,
     remote_prefill_params,
 )
+from vllm_ascend_mooncake import handoff
+from vllm_ascend_mooncake.connector.params import InvalidTransferParams
+from vllm_ascend_mooncake.proxy import bodies
+from vllm_ascend_mooncake.proxy.formats import prefill_answer
 
 COMPLETIONS = prefill_answer.COMPLETIONS
 

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_ascend_mooncake.testing.vllm_scheduler import make_request  # noqa: E402
+from vam_testing.vllm_scheduler import make_request  # noqa: E402
 
 BLOCK_SIZE = 32
 WINDOW = 64

@@ -1,7 +1,7 @@
 """Prefill (kv_producer) in vLLM's real scheduler: delayed frees, holds and the params handed out.
 
 vLLM's ``Scheduler`` runs in process with our connector built by vLLM's factory in the SCHEDULER
-role (``vllm_ascend_mooncake.testing.vllm_scheduler``). The only fake is the worker: each step's
+role (``vam_testing.vllm_scheduler``). The only fake is the worker: each step's
 ``ModelRunnerOutput`` is written by the test, with the ``KVConnectorOutput`` our worker side
 reports (``connector/worker.py``): a held request in ``finished_sending`` once every decode rank
 has read it (or its hold expired). Every test ends with the scheduler empty and its block pool
@@ -14,9 +14,7 @@ import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from vllm_ascend_mooncake import handoff
-from vllm_ascend_mooncake.datapath.orders import HoldOrder
-from vllm_ascend_mooncake.testing.vllm_scheduler import (
+from vam_testing.vllm_scheduler import (
     EOS_TOKEN_ID,
     SIDE_CHANNEL_HOST,
     SIDE_CHANNEL_PORT,
@@ -24,6 +22,8 @@ from vllm_ascend_mooncake.testing.vllm_scheduler import (
     decode_accepts,
     prompt_tokens,
 )
+from vllm_ascend_mooncake import handoff
+from vllm_ascend_mooncake.datapath.orders import HoldOrder
 
 BLOCK = 16
 

@@ -3,10 +3,8 @@ seed gives the same draw, and the draws cover every value each axis may take."""
 
 from __future__ import annotations
 
-from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
-from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
-from vllm_ascend_mooncake.testing import geometry_draw
-from vllm_ascend_mooncake.testing.geometry_draw import (
+from vam_testing import geometry_draw
+from vam_testing.geometry_draw import (
     ARCHITECTURES,
     BLOCK_SIZES,
     CONFIG_HEAD_DIMS,
@@ -22,6 +20,8 @@ from vllm_ascend_mooncake.testing.geometry_draw import (
     draw_geometry,
     run_seeds,
 )
+from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
+from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
 
 SEEDS = range(2000)
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from vam_testing import child_env
+from vam_testing.netns import TwoHostNetwork, missing_requirements
+from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.launch.ports import free_port
-from vllm_ascend_mooncake.testing.netns import TwoHostNetwork, missing_requirements
-from vllm_ascend_mooncake.testing.waiting import wait_until
 
 
 @contextlib.contextmanager
@@ -57,7 +58,7 @@ def relay_to(upstream_port: int, control: Path, stats: Path) -> Iterator[int]:
         [
             sys.executable,
             "-m",
-            "vllm_ascend_mooncake.testing.delay_relay",
+            "vam_testing.delay_relay",
             "--host",
             "127.0.0.1",
             "--port",
@@ -68,7 +69,8 @@ def relay_to(upstream_port: int, control: Path, stats: Path) -> Iterator[int]:
             str(stats),
             "--upstream",
             f"127.0.0.1:{upstream_port}",
-        ]
+        ],
+        env=child_env(),  # the relay imports vam_testing, outside the installed package
     )
     try:
 

@@ -23,7 +23,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from ..datapath.failures import FailureKind
 from ..datapath.pairing import PairingOutcome, PairingVerdict
-from ..timeline import PHASES
+from ..timeline import PHASES, PULL_PHASE_METRIC
 
 _PHASE_FIELDS = tuple(f"phase_{name}_seconds" for name in PHASES)
 _FIELDS = (
@@ -246,7 +246,7 @@ class TransferPromMetrics(KVConnectorPromMetrics):
             _PHASE_BUCKETS,
         )
         phase_metric = self._histogram_cls(
-            name="vllm:mooncake_hetero_pull_phase_seconds",
+            name=PULL_PHASE_METRIC,
             documentation=(
                 "Decode: seconds per pull phase: grant_wait (order received to every prefill "
                 "rank's grant; includes prefill computing with overlapped legs), lane_wait, read, "

@@ -6,8 +6,8 @@ time to halve the start-up wait, and everything is stopped by process group.
 
 By default everything listens on 127.0.0.1. Each instance can instead run on a :class:`Host` of
 its own, an address plus a command prefix that runs programs there: the two-host test puts
-prefill and decode in network namespaces (:mod:`..testing.netns`), with the proxy beside decode,
-as a cross-node deployment would.
+prefill and decode in network namespaces (``vam_testing/netns.py`` in the repository, not
+shipped), with the proxy beside decode, as a cross-node deployment would.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..core.layout import RegionLayout
-from ..core.plan import PlanOptions, RequestPlan, StagingArea, plan_request
-from ..core.topology import TransferTopology
+from vllm_ascend_mooncake.core.layout import RegionLayout
+from vllm_ascend_mooncake.core.plan import PlanOptions, RequestPlan, StagingArea, plan_request
+from vllm_ascend_mooncake.core.topology import TransferTopology
+
 from .kv_reference import (
     AddressSpace,
     ReferencePrompt,

@@ -1,9 +1,9 @@
 """The connector's scheduler side on its own, with real vLLM requests and block lists.
 
 Shared by ``tests/connector/test_scheduler.py`` and ``benchmarks/micro/bench_scheduler.py``: a
-:class:`~..connector.scheduler.ConnectorScheduler` configured as vLLM would for a prefill or a
-decode instance (on CPU, no engine), vLLM ``Request`` objects carrying ``kv_transfer_params``,
-and the ``KVCacheBlocks`` an allocation hands the connector. Imports vLLM.
+:class:`~vllm_ascend_mooncake.connector.scheduler.ConnectorScheduler` configured as vLLM would for a
+prefill or a decode instance (on CPU, no engine), vLLM ``Request`` objects carrying
+``kv_transfer_params``, and the ``KVCacheBlocks`` an allocation hands the connector. Imports vLLM.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
-from ..connector.config import parse_config
-from ..connector.scheduler import ConnectorScheduler
+from vllm_ascend_mooncake.connector.config import parse_config
+from vllm_ascend_mooncake.connector.scheduler import ConnectorScheduler
 
 #: The prefill engine id every scheduler here gets unless told otherwise (decode's params name it).
 ENGINE_ID = "engine-p"

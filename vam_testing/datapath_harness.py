@@ -3,10 +3,10 @@
 Each :class:`WorkerProcess` is a separate OS process with its own Mooncake transfer engine, reused
 across cases (:mod:`.datapath_cases`): per case it allocates a KV cache shaped like the engine's
 (:mod:`.kv_caches`), registers it, and runs the real
-:class:`~..datapath.prefill_service.PrefillSender` or :class:`~..datapath.receiver.Receiver`
-through the production wiring. Prefill caches are filled from the case's reference; decode
-workers check every pulled byte against it, and that no byte outside the requested blocks
-changed.
+:class:`~vllm_ascend_mooncake.datapath.prefill_service.PrefillSender` or
+:class:`~vllm_ascend_mooncake.datapath.receiver.Receiver` through the production wiring. Prefill
+caches are filled from the case's reference; decode workers check every pulled byte against it, and
+that no byte outside the requested blocks changed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .kv_reference import ReferencePrompt, owned_heads
 
 class _WorkerState:
     def __init__(self, read_wait: str | None = None) -> None:
-        from ..datapath.mooncake import MooncakeTransport
+        from vllm_ascend_mooncake.datapath.mooncake import MooncakeTransport
 
         self.transport = MooncakeTransport("127.0.0.1", "tcp", read_wait=read_wait)
         self.case: CaseSpec | None = None
@@ -83,8 +83,8 @@ class _WorkerState:
         region_prompt.place(memory, [layout], [offset], heads, list(block_ids), first_block)
 
     def _identity(self, case: CaseSpec, role: str, tp_rank: int, tp_size: int, block_size: int):
-        from ..connector.wiring import WorkerIdentity
-        from ..datapath.wire import ModelIdentity
+        from vllm_ascend_mooncake.connector.wiring import WorkerIdentity
+        from vllm_ascend_mooncake.datapath.wire import ModelIdentity
 
         return WorkerIdentity(
             engine_id=f"{case.name}-{role}",
@@ -109,7 +109,11 @@ class _WorkerState:
     # -- commands -------------------------------------------------------------------------
 
     def setup_prefill(self, case: CaseSpec, rank: int) -> str:
-        from ..connector.wiring import KVCacheMemory, PrefillSettings, build_prefill_side
+        from vllm_ascend_mooncake.connector.wiring import (
+            KVCacheMemory,
+            PrefillSettings,
+            build_prefill_side,
+        )
 
         self.case, self.rank = case, rank
         topo = case.topology()
@@ -171,13 +175,13 @@ class _WorkerState:
     def setup_decode(self, case: CaseSpec, rank: int) -> str:
         import torch
 
-        from ..connector.wiring import (
+        from vllm_ascend_mooncake.connector.wiring import (
             DecodeSettings,
             KVCacheMemory,
             build_decode_side,
         )
-        from ..datapath.receiver import ReceiverOptions
-        from ..datapath.registration import kv_memory_ranges
+        from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
+        from vllm_ascend_mooncake.datapath.registration import kv_memory_ranges
 
         self.case, self.rank = case, rank
         topo = case.topology()
@@ -217,7 +221,7 @@ class _WorkerState:
     ) -> PullOutcome:
         """Pull ``requests`` and wait for every report; ``cancel_after_s`` (request id -> delay)
         cancels requests as vLLM does for one aborted while its KV loads."""
-        from ..datapath.orders import PullOrder
+        from vllm_ascend_mooncake.datapath.orders import PullOrder
 
         case = self.case
         outcome = PullOutcome()
@@ -425,6 +429,8 @@ class WorkerProcess:
 
     def __init__(self, read_wait: str | None = None) -> None:
         """``read_wait``: how this worker's reads wait (the connector's default when None)."""
+        # The spawned child imports _worker_main by name, from this package outside the installed
+        # one: multiprocessing hands the child this process's sys.path, which found it.
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, read_wait), daemon=True)

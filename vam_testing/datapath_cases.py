@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.layout import ChunkPacking
-from ..core.packing import chunk_packing
-from ..core.topology import TransferTopology
+from vllm_ascend_mooncake.core.layout import ChunkPacking
+from vllm_ascend_mooncake.core.packing import chunk_packing
+from vllm_ascend_mooncake.core.topology import TransferTopology
+
 from .kv_caches import CACHE_LAYOUTS
 from .kv_reference import ReferenceKV, ReferencePrompt
 
-#: vLLM CPU's ISA kernels whose head-major chunk packing is described (:mod:`..core.packing`).
+#: vLLM CPU's ISA kernels whose head-major chunk packing is described
+#: (:mod:`vllm_ascend_mooncake.core.packing`).
 CPU_PACKINGS = ("vec", "vec16", "amx")
 
 

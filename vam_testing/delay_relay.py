@@ -13,7 +13,7 @@ The delay is read from a control file, so a test can change it without restartin
 chunks already queued keep the delay they arrived with. Counters (connections, bytes each way)
 are written to a stats file about every 100 ms, so a test can prove traffic crossed the link.
 
-Run on the router: ``python -m vllm_ascend_mooncake.testing.delay_relay --port P --control F
+Run on the router: ``python -m vam_testing.delay_relay --port P --control F
 --stats F``. ``--upstream HOST:PORT`` sends every connection there instead of to its original
 destination (for testing the relay without NAT).
 """

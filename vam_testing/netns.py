@@ -37,7 +37,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..launch.deployment import Host
+from vllm_ascend_mooncake.launch.deployment import Host
+
+from . import child_env
 
 #: Where the router's relay listens (inside the router's namespace, so it clashes with nothing).
 RELAY_PORT = 7700
@@ -110,9 +112,10 @@ class LinkSettings:
 class TwoHostNetwork:
     """The namespaces, links and relay described in the module docstring; a context manager.
 
-    :attr:`prefill` and :attr:`decode` are the two hosts as :class:`~..launch.deployment.Host`
-    values (address and the ``ip netns exec`` prefix that runs a program there), ready for
-    :class:`~..launch.deployment.LocalDeployment`.
+    :attr:`prefill` and :attr:`decode` are the two hosts as
+    :class:`~vllm_ascend_mooncake.launch.deployment.Host` values (address and the ``ip netns exec``
+    prefix that runs a program there), ready for
+    :class:`~vllm_ascend_mooncake.launch.deployment.LocalDeployment`.
     """
 
     def __init__(self, python: str = sys.executable) -> None:
@@ -224,7 +227,7 @@ class TwoHostNetwork:
                 self._namespaces["router"],
                 self._python,
                 "-m",
-                "vllm_ascend_mooncake.testing.delay_relay",
+                "vam_testing.delay_relay",
                 "--port",
                 str(RELAY_PORT),
                 "--control",
@@ -236,6 +239,7 @@ class TwoHostNetwork:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=child_env(),  # `-m vam_testing...` from any working directory
         )
         log.close()
         deadline = time.monotonic() + 30

@@ -2,8 +2,8 @@
 
 The tier between the connector's unit tests (``tests/connector/test_scheduler.py``, our scheduler
 side on its own) and real ``vllm serve`` engines: ``vllm.v1.core.sched.scheduler.Scheduler``
-drives :class:`~..connector.facade.MooncakeHeteroConnector` in the SCHEDULER role exactly as an
-engine core does (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+drives :class:`~vllm_ascend_mooncake.connector.facade.MooncakeHeteroConnector` in the SCHEDULER
+role exactly as an engine core does (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta``, ``update_connector_output``, ``request_finished``), while nothing runs
 a model or moves bytes. What a worker would report is fed in by hand: a
 :class:`~vllm.v1.outputs.ModelRunnerOutput` with sampled tokens and a
@@ -66,12 +66,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ..connector.config import config_from_vllm
-from ..connector.facade import MooncakeHeteroConnector, StepMetadata
-from ..connector.params import RemotePrefill, parse_remote_prefill
-from ..core.topology import Topologies
-from ..datapath.orders import StepOrders
-from ..names import CONNECTOR_NAME
+from vllm_ascend_mooncake.connector.config import config_from_vllm
+from vllm_ascend_mooncake.connector.facade import MooncakeHeteroConnector, StepMetadata
+from vllm_ascend_mooncake.connector.params import RemotePrefill, parse_remote_prefill
+from vllm_ascend_mooncake.core.topology import Topologies
+from vllm_ascend_mooncake.datapath.orders import StepOrders
+from vllm_ascend_mooncake.names import CONNECTOR_NAME
 
 #: The token a request stops on (its EOS), and the one sampled otherwise.
 EOS_TOKEN_ID = 2

@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..core.layout import ChunkPacking
-from ..datapath.registration import regions_from_split_caches, regions_from_vllm_views
+from vllm_ascend_mooncake.core.layout import ChunkPacking
+from vllm_ascend_mooncake.datapath.registration import (
+    regions_from_split_caches,
+    regions_from_vllm_views,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,9 @@
 """Where a cell's time to first token went: mean seconds per phase, from the instances' histograms.
 
+Not the per-request timeline (:mod:`vllm_ascend_mooncake.timeline`, joined by
+``request_timeline.py``): these are means over a cell's requests of histograms every instance
+exports anyway, for every system compared, where the timeline follows each request of ours.
+
 Before and after each cell the benchmark reads every instance's ``/metrics``; the difference of a
 histogram's ``_sum`` and ``_count`` is the mean of what that cell observed. vLLM's own request
 histograms exist on every system (so vLLM's connector and the colocated instance get the vLLM
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_ascend_mooncake.timeline import PHASES
+from vllm_ascend_mooncake.timeline import PHASES, PULL_PHASE_METRIC
 
 
 @dataclass(frozen=True)
@@ -28,14 +32,12 @@ class Phase:
     phase: str | None = None  # the value of its "phase" label, when it has one
 
 
-PULL_PHASES = "vllm:mooncake_hetero_pull_phase_seconds"
-
 PHASES_SHOWN = (
     Phase("prefill: queued", "prefill", "vllm:request_queue_time_seconds"),
     Phase("prefill: computing", "prefill", "vllm:request_prefill_time_seconds"),
     Phase("prefill: hold registered after", "prefill", "vllm:mooncake_hetero_hold_delay_seconds"),
     *(
-        Phase(f"decode: pull {name.replace('_', ' ')}", "decode", PULL_PHASES, name)
+        Phase(f"decode: pull {name.replace('_', ' ')}", "decode", PULL_PHASE_METRIC, name)
         for name in PHASES
     ),
     Phase("decode: queued (incl. KV load)", "decode", "vllm:request_queue_time_seconds"),
@@ -84,7 +86,7 @@ def mean_ms(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return means
 
 
-def timeline_table(cells: list[tuple[str, int, int, dict[str, float]]]) -> str:
+def phase_means_table(cells: list[tuple[str, int, int, dict[str, float]]]) -> str:
     """One block per (system, prompt length, concurrency): mean ms per phase."""
     lines = []
     for system, prompt_len, concurrency, means in cells:

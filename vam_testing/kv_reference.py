@@ -18,9 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.layout import BlockOrder, ChunkPacking, Region, RegionLayout, RowGroup
-from ..core.plan_types import RequestPlan, RowCopies, SwapAxes, TransferBatch
-from ..core.staging import copies_must_finish_first
+from vllm_ascend_mooncake.core.layout import (
+    BlockOrder,
+    ChunkPacking,
+    Region,
+    RegionLayout,
+    RowGroup,
+)
+from vllm_ascend_mooncake.core.plan_types import RequestPlan, RowCopies, SwapAxes, TransferBatch
+from vllm_ascend_mooncake.core.staging import copies_must_finish_first
 
 
 def owned_heads(num_heads: int, tp: int, rank: int, is_mla: bool = False) -> list[int]:
