@@ -305,6 +305,36 @@ def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
         assert freed == {"t"} and dropped == ["t"]
 
 
+def test_a_client_that_leaves_before_prefills_token_frees_what_prefill_holds(
+    start_proxy, monkeypatch
+) -> None:
+    """A clean-clone CI run (test_abandoned_clients: a prefill block not freed within 30 s):
+    prefill had ended its one-token request and held the KV under the proxy's transfer id, the
+    proxy had not read its token yet, and the client hung up then; nobody told prefill, so the
+    hold waited out release_timeout_s. The proxy now drops it as the client leaves."""
+    monkeypatch.setattr(continued_route, "new_transfer_id", lambda request_id: "t")
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        for fake in (prefill, decode):
+            fake.generates = fake.hands_off_like_the_connector = True
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert proxy.post("/v1/chat/completions", json=body).is_success  # a whole prefill leg
+        prefill.stream_gate.clear()  # the streamed leg stalls after its role chunk
+        stack.callback(prefill.stream_gate.set)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            proxy.post(
+                "/v1/chat/completions",
+                json={**body, "stream": True},
+                timeout=httpx.Timeout(30, read=1.0),
+            )
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
+
+
 def test_a_transfer_decode_reads_at_once_costs_one_renewal_per_worker(prefill) -> None:
     """The cost docs/proxy.md gives (issue #43 item g): renewals are not batched, and a request
     decode reads at once costs one KeepHold per prefill worker, which ends its renewals."""

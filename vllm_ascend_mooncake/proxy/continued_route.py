@@ -92,7 +92,11 @@ class ContinuedRoute:
         if isinstance(prefilled, Response):
             return prefilled
         prefill_upstream, first, params = prefilled
-        reason, ends_answer = await self._fallback(prefill_upstream, first, request)
+        try:
+            reason, ends_answer = await self._fallback(prefill_upstream, first, request)
+        except asyncio.CancelledError:  # the client left: nobody will read what prefill holds
+            self.pool.drop_hold(params)
+            raise
         if reason is not None:
             # Decode samples the first token again from the KV prefill holds.
             count_decode_first_token(self.metrics, reason, request.request_id)
@@ -166,6 +170,12 @@ class ContinuedRoute:
                 await response.aread()
                 return self.pool.prefill_failed(upstream, response, request.request_id)
             return await self._read_token(reader, upstream, held_at, request)
+        except asyncio.CancelledError:
+            # The client hung up while prefill computed or before its token was read: prefill
+            # may hold the KV under our transfer id already (its request ended with the token),
+            # and nobody will read it. A drop that comes before the hold is remembered there.
+            self.pool.drop_hold(held_at)
+            raise
         finally:
             # Every way out but the hand-off to drain_later closes the leg, a client that
             # hung up while prefill computed (CancelledError) included.
