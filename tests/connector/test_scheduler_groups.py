@@ -116,9 +116,7 @@ def test_decode_computes_a_whole_prompt_load_of_a_windowed_model() -> None:
 def test_decode_of_another_grouping_refuses_the_params() -> None:
     params = prefill_params(150)
     params["remote_output_token_ids"] = [150]
-    one_group = connector_scheduler(
-        "kv_consumer", prefill_tp=1, num_kv_heads=2, block_size=BLOCK
-    )
+    one_group = connector_scheduler("kv_consumer", prefill_tp=1, num_kv_heads=2, block_size=BLOCK)
     req = vllm_request("d-3", 151, params)
     assert one_group.get_num_new_matched_tokens(req, 0) == (0, False)
     (release,) = one_group.build_step_orders().pulls
