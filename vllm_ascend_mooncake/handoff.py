@@ -52,6 +52,11 @@ PREFILL_ADDRESS_KEYS = {
     "remote_tp_size": int,
 }
 
+#: A prefill answer's ``kv_transfer_params`` key saying prefill computed the prompt but its last
+#: token (a model with sliding-window or state layers): its sampled token answers nothing, and
+#: decode computes the last prompt token and samples the answer's first.
+PROMPT_PREFIX_KEY = "remote_prompt_prefix"
+
 
 def prefill_address(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any] | None:
     """Where a prefill instance's KV can be read, from its response; None if it does not say."""

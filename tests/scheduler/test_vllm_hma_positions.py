@@ -100,13 +100,13 @@ def _manager(kind: str) -> KVCacheManager:
 
 
 def _expected(kind: str, n: int) -> range:
-    """The positions the second group holds: the connector's rule (``GroupSpec``) for a
-    sliding window, the design's single position for a state."""
+    """The positions the second group holds, by the connector's rule (``GroupSpec``)."""
     if kind == "sliding":
         group = GroupSpec(GroupKind.SLIDING, BLOCK_SIZE, WINDOW)
-        end = _cdiv(n, BLOCK_SIZE)
-        return range(end - group.held_count(n), end)
-    return range((n - 1) // BLOCK_SIZE, (n - 1) // BLOCK_SIZE + 1)
+    else:
+        group = GroupSpec(GroupKind.STATE, BLOCK_SIZE)
+    end = _cdiv(n, BLOCK_SIZE)
+    return range(end - group.held_count(n), end)
 
 
 def _real_positions(block_ids: list[int]) -> list[int]:

@@ -115,6 +115,9 @@ class MooncakeHeteroConnector(KVConnectorBase_V1, vllm_compat.SupportsHMA):
         """vLLM 0.33+: a pull restores the request's blocks of every transferred group."""
         return vllm_compat.transfer_group_ids(self._kv_cache_config)
 
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

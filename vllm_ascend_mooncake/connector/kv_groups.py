@@ -6,9 +6,10 @@ sliding-window group beside a full-attention one (Gemma 2/3, gpt-oss, Ministral)
 kind keeps one group, as before. Each transfer group is described by a
 :class:`~..core.groups.GroupSpec`, on prefill and decode alike, and each layer belongs to one.
 
-Kinds the transfer cannot move yet are refused here, at start-up, naming the kind and a layer:
-Mamba / linear-attention state groups (Qwen3-Next, Jamba, Bamba), chunked local attention,
-cross-attention.
+A Gated DeltaNet state group (Qwen3-Next) in vLLM's ``align`` cache mode is a state group
+(:mod:`.state_layers` describes its pages). Kinds the transfer cannot move are refused here, at
+start-up, naming the kind and a layer: states in other cache modes or with speculative blocks,
+chunked local attention, cross-attention.
 """
 
 from __future__ import annotations
@@ -81,17 +82,25 @@ def _group_spec(spec: Any, layer_names: list[str], block_size: int) -> GroupSpec
         return GroupSpec(GroupKind.SLIDING, size, window)
     if isinstance(first, FullAttentionSpec) and kind not in _UNSUPPORTED:
         return GroupSpec(GroupKind.FULL, size)
+    if kind == "MambaSpec":
+        if getattr(first, "mamba_cache_mode", "none") != "align":
+            _refuse(
+                kind,
+                layer_names,
+                f"a Mamba / linear-attention state in cache mode "
+                f"{getattr(first, 'mamba_cache_mode', 'none')!r}; the connector moves states "
+                f"in 'align' mode, which vLLM picks with prefix caching on: drop "
+                f"--no-enable-prefix-caching (or set --mamba-cache-mode align)",
+            )
+        if getattr(first, "num_speculative_blocks", 0):
+            _refuse(kind, layer_names, "a state with speculative-decoding blocks")
+        return GroupSpec(GroupKind.STATE, size)
     _refuse(kind, layer_names, _UNSUPPORTED.get(kind, "a KV cache kind it does not know"))
     raise AssertionError("unreachable")
 
 
 #: KV cache kinds the transfer cannot move, and why, by vLLM's spec class name.
 _UNSUPPORTED = {
-    "MambaSpec": (
-        "Mamba / linear-attention (Gated DeltaNet) state, which is not a prompt's blocks of "
-        "tokens; hybrid state models (Qwen3-Next, Jamba, Bamba) are not served by this KV "
-        "connector yet"
-    ),
     "ChunkedLocalAttentionSpec": "chunked local attention (Llama 4)",
     "CrossAttentionSpec": "cross-attention (encoder-decoder models)",
     "EncoderOnlyAttentionSpec": "encoder-only attention",
@@ -107,6 +116,6 @@ def _refuse(kind: str, layer_names: list[str], what: str) -> None:
     layers = ", ".join(layer_names[:3]) + (" ..." if len(layer_names) > 3 else "")
     raise LayoutError(
         f"the model's KV cache group of layers {layers} is {kind} ({what}): this KV connector "
-        f"moves full-attention, MLA and sliding-window groups only; serve this model without "
-        f"P/D disaggregation"
+        f"moves full-attention, MLA, sliding-window and Gated DeltaNet state groups only; "
+        f"serve this model without P/D disaggregation"
     )

@@ -79,6 +79,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     #: (:mod:`..core.groups`), which must be decode's. None: one group.
     remote_group_sizes: list[int] | None = None
     remote_kv_groups: list[_Name] | None = None
+    #: Prefill computed the prompt but its last token (a model with sliding-window or state
+    #: layers, which decode must not recompute a loaded token of): decode's prompt is one
+    #: token longer than ``remote_num_tokens``, and decode computes that token itself.
+    remote_prompt_prefix: bool = False
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 
@@ -156,9 +160,14 @@ def parse_remote_prefill(
                 f"the prefill instance computed {parsed.remote_num_tokens} prompt tokens, this "
                 f"request has {num_prompt_tokens}: the prompts differ"
             )
-        if parsed.remote_num_tokens < num_prompt_tokens:
+        prefix = parsed.remote_prompt_prefix and parsed.remote_num_tokens == num_prompt_tokens - 1
+        if parsed.remote_num_tokens < num_prompt_tokens and not prefix:
             _check_continuation(parsed, prompt_token_ids)
         num_prompt_tokens = parsed.remote_num_tokens
+    if parsed.remote_block_ids is None:
+        # before prefill answered: prefill checks the prompt when decode claims, the handshake
+        # that the KV cache groups match (``ModelIdentity.kv_cache_groups``)
+        return parsed
     described = describe_groups(groups) if len(groups) > 1 else []
     if (parsed.remote_kv_groups or []) != described:
         raise InvalidTransferParams(
@@ -166,8 +175,6 @@ def parse_remote_prefill(
             f"this decode instance's {described or ['one']}: they do not serve the same model "
             f"with the same hybrid KV cache manager setting"
         )
-    if parsed.remote_block_ids is None:
-        return parsed  # before prefill answered: prefill checks the prompt when decode claims
     if parsed.remote_num_tokens is None:
         raise InvalidTransferParams("remote_block_ids without remote_num_tokens")
     prefill_block_size = (

@@ -25,6 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ..core.groups import GroupKind, GroupSpec, describe_groups, flatten_groups
 from ..core.topology import Topologies
 from ..datapath.orders import HoldOrder, PairingOrder, PullOrder, StepOrders
@@ -66,8 +68,8 @@ class ConnectorScheduler:
             kv_cache_config, config.block_size
         )
         self._group_ids = transfer_group_ids(kv_cache_config) if kv_cache_config else (0,)
-        #: whether a pull must leave decode a prompt token to compute (module docstring)
-        self._windowed = any(g.kind is GroupKind.SLIDING for g in self._groups)
+        #: whether a pull must leave decode a prompt token to compute (:meth:`_check_window`)
+        self._partial_groups = any(g.kind is not GroupKind.FULL for g in self._groups)
         #: decode: the prefill TP sizes this instance can read (any that pairs with its own)
         self._topologies = Topologies(config.topology(), local_is_decode=not config.is_producer)
         self._remote: dict[str, RemotePrefill] = {}
@@ -87,6 +89,31 @@ class ConnectorScheduler:
         self.pairings = PrefillPairings(probe_first=config.pair_before_pull)
         #: prefill: whether this vLLM takes chat prompts as forwarded token ids (see params)
         self._chat_prompt_ids = config.is_producer and chat_takes_forwarded_prompt_ids()
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Prefill of a model with sliding-window or state layers: compute the prompt but its
+        last token, which decode computes (it must not recompute a token it loaded: the
+        window may have dropped what that token attends to, and a state would advance by it
+        twice). Once per request, also across preemptions; a request that skips the prefix
+        cache (prompt logprobs) loads nothing on decode and keeps its prompt."""
+        params = request.kv_transfer_params
+        if (
+            not self.config.is_producer
+            or not self._partial_groups
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(_PROMPT_PREFIX_KEY)
+            or request.num_prompt_tokens < 2
+            or request.prompt_token_ids is None
+            or _skips_prefix_cache(request)
+        ):
+            return
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        params[_PROMPT_PREFIX_KEY] = True
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -125,6 +152,13 @@ class ConnectorScheduler:
                 prompt_token_ids=request.prompt_token_ids or (),
                 groups=self._groups,
             )
+            if self._partial_groups and remote.remote_num_tokens is None:
+                # admitted before prefill answered: prefill (the same model) stops one short
+                remote = msgspec.structs.replace(
+                    remote,
+                    remote_num_tokens=request.num_prompt_tokens - 1,
+                    remote_prompt_prefix=True,
+                )
             self._check_window(remote, request.num_prompt_tokens)
         except InvalidTransferParams as exc:
             logger.warning(
@@ -143,16 +177,17 @@ class ConnectorScheduler:
         return remote
 
     def _check_window(self, remote: RemotePrefill, num_prompt_tokens: int) -> None:
-        """A model with a sliding window pulls only a prompt that continues past prefill's
-        (the proxy's continued legs, first token from prefill): a pull of the whole prompt makes
-        vLLM recompute its last token, whose window reaches into a block prefill no longer
-        holds whenever ``(n - W + 1)`` is a multiple of the block size."""
-        if self._windowed and remote.prefill_tokens(num_prompt_tokens) >= num_prompt_tokens:
+        """A model with sliding-window or state layers pulls only a prompt that continues past
+        prefill's (the proxy's continued legs, first token from prefill): a pull of the whole
+        prompt makes vLLM recompute its last token, whose window reaches into a block prefill
+        no longer holds whenever ``(n - W + 1)`` is a multiple of the block size, and which
+        would advance a loaded state by that token a second time."""
+        if self._partial_groups and remote.prefill_tokens(num_prompt_tokens) >= num_prompt_tokens:
             raise InvalidTransferParams(
-                "this model has sliding-window layers, and the request's prompt is prefill's "
-                "whole prompt: vLLM would recompute its last token over blocks the window "
-                "dropped; only requests continued from prefill's token (vam-proxy's default "
-                "route) are pulled"
+                "this model has sliding-window or state layers, and the request's prompt is "
+                "prefill's whole prompt: vLLM would recompute its last token over a dropped "
+                "window or an already advanced state; only requests continued from prefill's "
+                "token (vam-proxy's default route) are pulled"
             )
 
     def _compute_unpairable(self, request: Request, remote: RemotePrefill) -> bool:
@@ -408,9 +443,12 @@ class ConnectorScheduler:
                 MAX_TRANSFER_ID_CHARS,
             )
         prompt_blocks, group_sizes = self._held_blocks(block_ids, request.num_prompt_tokens)
+        prefix = bool(params.get(_PROMPT_PREFIX_KEY))
+        # a token sampled after a prompt prefix is nobody's answer, stopped or not: decode
+        # computes the last prompt token and samples the answer's first
         handed_off = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
             request.status == RequestStatus.FINISHED_STOPPED
-            and params.get(HOLD_IF_STOPPED_KEY, True) is not False
+            and (prefix or params.get(HOLD_IF_STOPPED_KEY, True) is not False)
         )
         # Aborted or errored, or ended by its token where the answer is complete: nobody reads it.
         if not handed_off or not prompt_blocks:
@@ -445,6 +483,7 @@ class ConnectorScheduler:
             remote_chat_prompt_ids=self._chat_prompt_ids,
             remote_group_sizes=list(group_sizes) if group_sizes else None,
             remote_kv_groups=describe_groups(self._groups) if group_sizes else None,
+            remote_prompt_prefix=prefix,
         ).to_dict()
 
     def _held_blocks(
@@ -474,6 +513,16 @@ class ConnectorScheduler:
             )
         except InvalidTransferParams:
             return None
+
+
+#: A prefill request's ``kv_transfer_params`` key marking its prompt cut by its last token
+#: (:meth:`ConnectorScheduler.on_new_request`); internal, never in a response.
+_PROMPT_PREFIX_KEY = "_vam_prompt_prefix"
+
+
+def _skips_prefix_cache(request: Request) -> bool:
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)
+    return bool(skips()) if skips is not None else False
 
 
 def _expected(reported: set[str] | None, waiting: set[str], what: str) -> set[str] | None:

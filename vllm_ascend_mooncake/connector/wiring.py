@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ..core.layout import Region, RegionLayout
 from ..core.plan import StagingArea, may_need_staging
 from ..core.relayout import LocalMemory
+from ..core.state_layout import StateGroup
 from ..core.topology import TransferTopology
 from ..datapath.mooncake import NPU_ADDRESS_ALIGNMENT, MooncakeOptions, MooncakeTransport
 from ..datapath.pairing import PairingProbes
@@ -29,7 +30,7 @@ from ..datapath.sender import SendTracker
 from ..datapath.side_channel import SideChannelClient
 from ..datapath.staging_pool import StagingPool
 from ..datapath.transport import TRANSPORTS, Transport, TransportSetupError
-from ..datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from ..datapath.wire import ModelIdentity, RegionInfo, StateGroupInfo, WorkerMetadata
 from ..options import default_of
 from .config import ConnectorConfig
 
@@ -48,11 +49,13 @@ class KVCacheMemory:
     """A worker's KV cache as the data path sees it: the tensors whose storages are registered
     with the transport, and the regions described from them, in layer order;
     ``region_groups``: each region's KV cache group (vLLM's hybrid manager, -1: not
-    transferred), empty when the model has one group."""
+    transferred), empty when the model has one group; ``state_groups``: the state layers'
+    groups (Gated DeltaNet), described apart from the attention regions."""
 
     tensors: list[torch.Tensor]
     regions: list[Region]
     region_groups: tuple[int, ...] = ()
+    state_groups: tuple[StateGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def create_transport(
     raise TransportSetupError(f"transport must be one of {TRANSPORTS}, not {kind!r}")
 
 
-def _metadata(who: WorkerIdentity, transport: Transport, regions: list[Region]) -> WorkerMetadata:
+def _metadata(who: WorkerIdentity, transport: Transport, memory: KVCacheMemory) -> WorkerMetadata:
     return WorkerMetadata(
         engine_id=who.engine_id,
         incarnation=who.incarnation,
@@ -139,7 +142,8 @@ def _metadata(who: WorkerIdentity, transport: Transport, regions: list[Region]) 
         pp_size=1,
         transport_session=transport.session,
         identity=who.model,
-        regions=[RegionInfo.of(r) for r in regions],
+        regions=[RegionInfo.of(r) for r in memory.regions],
+        state_groups=[StateGroupInfo.of(g) for g in memory.state_groups],
     )
 
 
@@ -181,7 +185,7 @@ def build_prefill_side(
 ) -> PrefillSide:
     """Register the KV cache and serve it: holds, read leases and releases on the side channel."""
     transport.register(kv_memory_ranges(memory.tensors))
-    metadata = _metadata(who, transport, memory.regions)
+    metadata = _metadata(who, transport, memory)
     tracker = SendTracker(topology, who.tp_rank, settings.release_timeout_s)
     sender = PrefillSender(
         metadata,
@@ -211,7 +215,7 @@ def build_decode_side(
     device = torch.device(memory.tensors[0].device if memory.tensors else "cpu")
     staging = [staging_buffer(settings.staging_bytes, device)] if settings.staging_bytes else []
     transport.register(kv_memory_ranges(memory.tensors) + kv_memory_ranges(staging))
-    metadata = _metadata(who, transport, memory.regions)
+    metadata = _metadata(who, transport, memory)
     client = SideChannelClient(settings.side_channel_timeout_s, secret=settings.secret)
     peers = PeerDirectory(client, metadata, topology)
     local_memory = memory_type.from_tensors([*memory.tensors, *staging])
@@ -226,6 +230,7 @@ def build_decode_side(
         settings.receiver,
         StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
         region_groups=memory.region_groups,
+        state_groups=memory.state_groups,
     )
     pairings = PairingProbes(peers) if who.tp_rank == 0 else None
     return DecodeSide(receiver, client, peers, metadata, local_memory, staging, pairings)

@@ -53,6 +53,7 @@ from .attention_layers import (
 from .config import ConnectorConfig
 from .identity import model_identity
 from .kv_groups import group_of_layer, region_groups, transfer_group_specs
+from .state_layers import describe_state_groups
 from .stats import TransferStats
 from .vllm_defects import mla_plain_rope_on_cpu
 from .wiring import (
@@ -180,8 +181,13 @@ class ConnectorWorker:
         layers = vllm_config.compilation_config.static_forward_context
         refuse_unsupported_parallelism(vllm_config.parallel_config)
         groups = transfer_group_specs(self._kv_cache_config, config.block_size)
-        refuse_hybrid_layers(ordered, layers)
         model = vllm_config.model_config
+        states = describe_state_groups(
+            ordered, self._kv_cache_config, groups, model.hf_config, config.local.tp_size
+        )
+        state_layers = {name for group in states for name in group.names}
+        state_caches = [ordered.pop(name) for name in list(ordered) if name in state_layers]
+        refuse_hybrid_layers(ordered, layers)
         drafts: set[str] = set()
         if config.draft_kv_heads:  # past the target's layers, all on this rank (PP 1 only)
             target_layers = model.get_num_layers(vllm_config.parallel_config)
@@ -213,9 +219,11 @@ class ConnectorWorker:
         if len(groups) > 1:
             memory = dataclasses.replace(
                 memory,
+                tensors=[*memory.tensors, *(t for c in state_caches for t in cache_parts(c))],
                 region_groups=region_groups(
                     [r.name for r in memory.regions], group_of_layer(self._kv_cache_config)
                 ),
+                state_groups=tuple(states),
             )
         self._check_resolved_layout(memory.regions)
         self.transport = create_transport(

@@ -7,6 +7,8 @@ position (entry ``i`` holds tokens ``[i*bs, (i+1)*bs)``), and frees what a kind 
 * a sliding window ``W`` drops the blocks entirely below token ``n - W + 1`` (plus
   ``extra_retained_tokens``): ``[skipped // bs, cdiv(n, bs))``
   (``SlidingWindowManager.get_num_skipped_tokens``);
+* a Mamba / linear-attention state in vLLM's ``align`` cache mode keeps the state after token
+  ``n - 1`` alone, in the block of that token: ``[(n - 1) // bs]`` (``MambaManager``);
 
 after ``n`` computed tokens. Either way what a request holds is a *suffix* of its positions ending
 at ``cdiv(n, bs)``, on prefill and on decode alike, so the planners pair decode's blocks with the
@@ -26,6 +28,7 @@ from enum import Enum
 class GroupKind(str, Enum):
     FULL = "full"
     SLIDING = "sliding"
+    STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class GroupSpec:
         """The first position this group still holds after ``num_tokens`` computed tokens."""
         if self.kind is GroupKind.FULL:
             return 0
+        if self.kind is GroupKind.STATE:
+            return max(0, num_tokens - 1) // self.block_size
         return max(0, num_tokens - self.window + 1) // self.block_size
 
     def held_count(self, num_tokens: int) -> int:

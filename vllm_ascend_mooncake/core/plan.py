@@ -42,6 +42,7 @@ from functools import partial
 from .descriptors import needs_staging
 from .layout import BlockOrder, Region, RegionLayout, kernel_block_ids
 from .plan_blocks import plan_equal_block_sizes
+from .plan_state import plan_state_request
 from .plan_tokens import plan_mixed_block_sizes
 
 # What a plan is made of lives in plan_types; it is part of this module's interface.
@@ -56,6 +57,7 @@ from .plan_types import (
     SwapAxes,
     TransferBatch,
 )
+from .state_layout import StateGroup
 from .topology import TransferTopology
 
 __all__ = [
@@ -129,13 +131,19 @@ def plan_grouped_request(
     options: PlanOptions | None = None,
     *,
     num_tokens: int | None = None,
+    local_states: Sequence[StateGroup] = (),
+    remote_states: Mapping[int, Sequence[StateGroup]] | None = None,
 ) -> RequestPlan:
     """:func:`plan_request` for a model with several KV cache groups (:mod:`.groups`): region
     ``i`` belongs to group ``region_groups[i]`` and moves that group's blocks; each group is
     planned alone and the peers' batches are concatenated, group after group. No
     ``region_groups``: one group. A group whose prefill blocks are fewer than the prompt's
-    (a sliding window) is the suffix of the prompt's blocks."""
-    if not region_groups:
+    (a sliding window) is the suffix of the prompt's blocks.
+
+    State groups (``local_states``, and each prefill rank's ``remote_states``) move their one
+    block per request by :func:`~.plan_state.plan_state_request`, from the prefill ranks their
+    shards come from, which must be among those the attention regions read."""
+    if not region_groups and not local_states:
         (local_ids,), (remote_ids,) = local_groups, remote_groups
         return plan_request(
             topology,
@@ -160,6 +168,13 @@ def plan_grouped_request(
         )
     peers: dict[int, PeerPlan] = {}
     fixups: list[SwapAxes] = []
+
+    def merge(plans: Sequence[PeerPlan]) -> None:
+        for peer in plans:
+            merged = peers.setdefault(peer.prefill_rank, PeerPlan(peer.prefill_rank, (), []))
+            merged.pulls = tuple(dict.fromkeys((*merged.pulls, *peer.pulls)))
+            merged.batches.extend(peer.batches)
+
     for group, (local_ids, remote_ids) in enumerate(zip(local_groups, remote_groups, strict=True)):
         members = [i for i, g in enumerate(region_groups) if g == group]
         if not members:
@@ -177,11 +192,49 @@ def plan_grouped_request(
             remote_suffix=True,
         )
         fixups.extend(plan.fixups)
-        for peer in plan.peers:
-            merged = peers.setdefault(peer.prefill_rank, PeerPlan(peer.prefill_rank, (), []))
-            merged.pulls = tuple(dict.fromkeys((*merged.pulls, *peer.pulls)))
-            merged.batches.extend(peer.batches)
+        merge(plan.peers)
+    read = set(peers)
+    for state in local_states:
+        local_ids, remote_ids = local_groups[state.group], remote_groups[state.group]
+        if not local_ids:
+            continue
+        if len(local_ids) > len(remote_ids):
+            raise PlanError(
+                f"state group {state.group}: decode wants {len(local_ids)} state blocks, "
+                f"prefill holds {len(remote_ids)}"
+            )
+        remote = {
+            rank: groups[_state_index(groups, state.group, rank)]
+            for rank, groups in (remote_states or {}).items()
+        }
+        if not remote:
+            raise PlanError(f"state group {state.group}: no prefill rank's state layers known")
+        layout = next(iter(remote.values())).layout
+        state_plans = plan_state_request(
+            state.layout,
+            decode_rank,
+            state.bases,
+            layout,
+            {rank: group.bases for rank, group in remote.items()},
+            list(zip(local_ids, remote_ids[len(remote_ids) - len(local_ids) :], strict=True)),
+            seed=seed,
+            options=options,
+        )
+        unread = {p.prefill_rank for p in state_plans} - read if read else set()
+        if unread:
+            raise PlanError(
+                f"state group {state.group} needs prefill rank(s) {sorted(unread)}, which the "
+                f"attention layers do not read: this TP pairing cannot move the state"
+            )
+        merge(state_plans)
     return RequestPlan(list(peers.values()), fixups)
+
+
+def _state_index(groups: Sequence[StateGroup], group: int, rank: int) -> int:
+    for index, candidate in enumerate(groups):
+        if candidate.group == group:
+            return index
+    raise PlanError(f"prefill rank {rank} has no state group {group}")
 
 
 def _in_kernel_blocks(

@@ -319,3 +319,36 @@ def describe_state_tensors(
             )
     placed = tuple(replace(c, offset=0) for c in components)
     return StateLayout(tp_size, shapes[0][0], block_strides.pop(), placed)
+
+
+@dataclass(frozen=True)
+class GdnStateGeometry:
+    """What a GDN state group's layout follows from, the same on every rank of every instance
+    serving the model: the global sizes, the conv layout and the (conv, SSM) element sizes."""
+
+    sizes: GdnSizes
+    conv_layout: ConvLayout
+    itemsizes: tuple[int, int]
+
+    def components(
+        self, tp_size: int, engine_shapes: Sequence[Sequence[int]] | None = None
+    ) -> tuple[StateComponent, StateComponent]:
+        return gdn_components(
+            self.sizes,
+            tp_size,
+            conv_layout=self.conv_layout,
+            itemsizes=self.itemsizes,
+            engine_shapes=engine_shapes,
+        )
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """One rank's state layers of one KV cache group (``group``: its index among the transfer
+    groups): their common layout and, per layer, each component's base address."""
+
+    group: int
+    geometry: GdnStateGeometry
+    layout: StateLayout
+    names: tuple[str, ...]
+    bases: tuple[tuple[int, ...], ...]

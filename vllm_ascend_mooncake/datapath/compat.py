@@ -84,6 +84,7 @@ def check_peer(local: WorkerMetadata, remote: WorkerMetadata, topology: Transfer
         problems.append(
             f"{len(remote.regions)} KV regions on prefill vs {len(local.regions)} on decode"
         )
+    problems.extend(_state_problems(local, remote))
     if problems:
         raise IncompatiblePeerError(f"{peer} is incompatible: " + "; ".join(problems))
     for local_region, remote_region in zip(local.to_regions(), remote.to_regions(), strict=True):
@@ -128,3 +129,26 @@ def _check_region_heads(
             f"{remote_region.layout.num_heads} heads on prefill and "
             f"{local_region.layout.num_heads} on decode, but {group.describe()}"
         )
+
+
+def _state_problems(local: WorkerMetadata, remote: WorkerMetadata) -> list[str]:
+    """Why the two workers' state groups cannot be combined: other layers, sizes, conv layout
+    or element sizes, or a prefill TP its states cannot be sharded by."""
+
+    def shape(meta: WorkerMetadata) -> list[tuple]:
+        return [
+            (g.group, tuple(g.gdn_sizes), g.conv_layout, tuple(g.itemsizes), tuple(g.names))
+            for g in meta.state_groups
+        ]
+
+    if shape(local) != shape(remote):
+        return [
+            f"state layers (group, GDN sizes, conv layout, element sizes, layers) "
+            f"{shape(remote)} on prefill vs {shape(local)} on decode: start both instances with "
+            f"the same model, dtypes and VLLM_SSM_CONV_STATE_LAYOUT"
+        ]
+    try:
+        remote.to_state_groups()
+    except LayoutError as exc:
+        return [f"prefill's state layers: {exc}"]
+    return []

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.layout import Region
 from ..core.plan import RequestPulls
+from ..core.state_layout import StateGroup
 from ..core.topology import TransferTopology, request_seed
 from .compat import IncompatiblePeerError
 from .leases import LeasedPeer, check_same_tp
@@ -31,6 +32,8 @@ class Lookup:
     seed: int
     pulls: RequestPulls
     remote_tables: dict[int, Sequence[Region]]
+    #: each prefill rank's state groups (hybrid linear-attention models; empty otherwise)
+    remote_states: dict[int, Sequence[StateGroup]] = field(default_factory=dict)
 
 
 class PeerLookup:
@@ -55,6 +58,7 @@ class PeerLookup:
         topology = self._topology_of(pull)
         pulls = RequestPulls.of(topology, self._rank, seed, self._local_regions)
         remote_tables: dict[int, Sequence[Region]] = {}
+        remote_states: dict[int, Sequence[StateGroup]] = {}
         # An early pull is bound by its unique transfer id; the engine id it carries may predate
         # a prefill restart (the proxy learns the new one from the answer that follows).
         engine_id = None if pull.early else pull.remote_engine_id
@@ -72,6 +76,7 @@ class PeerLookup:
                 continue
             check_same_tp(prefill, topology)
             remote_tables[rank] = prefill.regions
+            remote_states[rank] = prefill.state_groups
             peers[rank] = LeasedPeer(
                 rank, pull.remote_host, port, prefill.transport_session, prefill.incarnation
             )
@@ -80,7 +85,7 @@ class PeerLookup:
                 self._readers[key] = self._readers.get(key, 0) + 1
         if refused is not None:
             raise refused
-        return Lookup(topology, seed, pulls, remote_tables)
+        return Lookup(topology, seed, pulls, remote_tables, remote_states)
 
     def last_reader(self, transfer_id: str, peer: LeasedPeer) -> bool:
         """One pull of ``transfer_id`` is done with ``peer``: whether it was the last pull on

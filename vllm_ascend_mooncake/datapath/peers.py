@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.layout import Region
+from ..core.state_layout import StateGroup
 from ..core.topology import Topologies, TopologyError, TransferTopology
 from ..log import get_logger
 from .compat import IncompatiblePeerError, check_peer
@@ -61,10 +62,16 @@ class PrefillPeer:
     metadata: WorkerMetadata
     regions: tuple[Region, ...]
     topology: TransferTopology
+    state_groups: tuple[StateGroup, ...] = ()
 
     @classmethod
     def of(cls, metadata: WorkerMetadata, topology: TransferTopology) -> PrefillPeer:
-        return cls(metadata, tuple(metadata.to_regions()), topology)
+        return cls(
+            metadata,
+            tuple(metadata.to_regions()),
+            topology,
+            tuple(metadata.to_state_groups()),
+        )
 
     @property
     def transport_session(self) -> str:

@@ -63,6 +63,7 @@ from ..core.plan import (
     request_needs_staging,
 )
 from ..core.relayout import LocalMemory, apply_swaps
+from ..core.state_layout import StateGroup
 from ..core.topology import TransferTopology
 from ..log import get_logger
 from ..options import KIB, NEGATIVE, NON_NEGATIVE, POSITIVE, by_protocol, option, same_option
@@ -264,12 +265,15 @@ class Receiver:
         options: ReceiverOptions | None = None,
         staging: StagingPool | None = None,
         region_groups: Sequence[int] = (),
+        state_groups: Sequence[StateGroup] = (),
     ) -> None:
         self._topology = topology
         self._rank = decode_rank
         self._local_regions = list(local_regions)
         #: each region's KV cache group (vLLM's hybrid manager), none: one group
         self._region_groups = tuple(region_groups)
+        #: the state layers' groups (hybrid linear-attention models), planned apart
+        self._state_groups = tuple(state_groups)
         self._memory = memory
         self._peers = peers
         self._options = options = options or ReceiverOptions()
@@ -487,7 +491,7 @@ class Receiver:
     ) -> None:
         """Plan the request's reads (in a staging area if it needs one) and queue them on
         each peer's lane."""
-        groups = max(self._region_groups, default=0) + 1
+        groups = max((*self._region_groups, *(s.group for s in self._state_groups)), default=0) + 1
         local_groups = self._block_groups(pull.local_block_ids, pull.local_group_sizes, groups)
         remote_groups = self._block_groups(*(remote or ((), ())), groups)
         staging = None
@@ -524,6 +528,8 @@ class Receiver:
                     max_descriptor_bytes=self._options.max_descriptor_bytes,
                 ),
                 num_tokens=pull.num_prompt_tokens if pull.num_prompt_tokens >= 0 else None,
+                local_states=self._state_groups,
+                remote_states=lookup.remote_states,
             )
         except Exception:
             if staging is not None:

@@ -22,6 +22,7 @@ from typing import Annotated
 import msgspec
 
 from ..core.layout import BlockOrder, LayoutError, Region, RegionLayout, RowGroup
+from ..core.state_layout import ConvLayout, GdnSizes, GdnStateGeometry, StateGroup, StateLayout
 from ..handoff import MAX_REMOTE_BLOCKS as MAX_REMOTE_BLOCKS
 from ..handoff import MAX_TEXT_CHARS as MAX_TEXT_CHARS
 from ..handoff import MAX_TRANSFER_ID_CHARS as MAX_TRANSFER_ID_CHARS
@@ -142,6 +143,59 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     )
 
 
+class StateGroupInfo(msgspec.Struct, frozen=True):
+    """A state (Gated DeltaNet) KV cache group of one worker (``core.state_layout.StateGroup``):
+    its geometry, its page layout and each layer's component base addresses."""
+
+    group: Size
+    gdn_sizes: tuple[Size, Size, Size, Size, Size]
+    conv_layout: Id
+    itemsizes: tuple[Size, Size]
+    num_blocks: Size
+    block_stride: Size
+    names: Annotated[list[Text], msgspec.Meta(max_length=MAX_REGIONS)]
+    bases: Annotated[list[list[Size]], msgspec.Meta(max_length=MAX_REGIONS)]
+
+    @classmethod
+    def of(cls, group: StateGroup) -> StateGroupInfo:
+        sizes = group.geometry.sizes
+        return cls(
+            group=group.group,
+            gdn_sizes=(
+                sizes.num_k_heads,
+                sizes.head_k_dim,
+                sizes.num_v_heads,
+                sizes.head_v_dim,
+                sizes.conv_kernel,
+            ),
+            conv_layout=group.geometry.conv_layout.value,
+            itemsizes=group.geometry.itemsizes,
+            num_blocks=group.layout.num_blocks,
+            block_stride=group.layout.block_stride,
+            names=list(group.names),
+            bases=[list(b) for b in group.bases],
+        )
+
+    def to_group(self, tp_size: int) -> StateGroup:
+        """The group as a worker of TP ``tp_size`` holds it (its components' shard)."""
+        try:
+            geometry = GdnStateGeometry(
+                GdnSizes(*self.gdn_sizes), ConvLayout(self.conv_layout), tuple(self.itemsizes)
+            )
+            layout = StateLayout(
+                tp_size, self.num_blocks, self.block_stride, geometry.components(tp_size)
+            )
+        except ValueError as exc:
+            raise LayoutError(f"state group {self.group}: {exc}") from exc
+        return StateGroup(
+            self.group,
+            geometry,
+            layout,
+            tuple(self.names),
+            tuple(tuple(b) for b in self.bases),
+        )
+
+
 class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
     """A worker's registration, served by prefill workers to the decode workers that read them."""
 
@@ -155,9 +209,17 @@ class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
     transport_session: Id
     identity: ModelIdentity
     regions: Annotated[list[RegionInfo], msgspec.Meta(max_length=MAX_REGIONS)]
+    #: the state KV cache groups (hybrid linear-attention models); none for attention-only
+    #: models and from workers that predate them
+    state_groups: Annotated[list[StateGroupInfo], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list
+    )
 
     def to_regions(self) -> list[Region]:
         return [info.to_region() for info in self.regions]
+
+    def to_state_groups(self) -> list[StateGroup]:
+        return [info.to_group(self.tp_size) for info in self.state_groups]
 
 
 class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True):

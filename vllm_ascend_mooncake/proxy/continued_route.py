@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..handoff import awaited_prefill_params, new_transfer_id
+from ..handoff import PROMPT_PREFIX_KEY, awaited_prefill_params, new_transfer_id
 from .balancer import Upstream
 from .bodies import continued_decode_body, continued_prefill_body
 from .client_request import ClientRequest
@@ -64,6 +64,25 @@ logger = logging.getLogger(__name__)
 PrefillGave = tuple[Upstream, FirstToken | None, dict[str, Any] | None]
 
 
+#: Why decode samples the first token of a hybrid model's answer: prefill computed the prompt
+#: but its last token (``handoff.PROMPT_PREFIX_KEY``).
+PROMPT_PREFIX = "prompt prefix"
+
+
+def _prompt_prefix_params(
+    params: dict[str, Any] | None, first: FirstToken | None
+) -> dict[str, Any] | None:
+    """The params decode reads a prompt prefix with: prefill's own say so already; those the
+    proxy made of a streamed token (``formats.prefill_answer``) are corrected to the tokens
+    prefill computed, all but the prompt's last."""
+    if params is None or params.get(PROMPT_PREFIX_KEY) is True or first is None:
+        return params
+    corrected = {k: v for k, v in params.items() if k != "remote_output_token_ids"}
+    corrected["remote_num_tokens"] = len(first.prompt_token_ids) - 1
+    corrected[PROMPT_PREFIX_KEY] = True
+    return corrected
+
+
 class ContinuedRoute:
     """Runs continued requests over the pool's instances."""
 
@@ -93,13 +112,15 @@ class ContinuedRoute:
             return prefilled
         prefill_upstream, first, params = prefilled
         try:
-            reason, ends_answer = await self._fallback(prefill_upstream, first, request)
+            reason, ends_answer = await self._fallback(prefill_upstream, first, params, request)
         except asyncio.CancelledError:  # the client left: nobody will read what prefill holds
             self.pool.drop_hold(params)
             raise
         if reason is not None:
             # Decode samples the first token again from the KV prefill holds.
             count_decode_first_token(self.metrics, reason, request.request_id)
+            if reason == PROMPT_PREFIX:
+                params = _prompt_prefix_params(params, first)
             request.trace.mode = "serial"
             return await self.serial.decode_after(prefill_upstream, params, request)
         assert first is not None
@@ -257,10 +278,18 @@ class ContinuedRoute:
     # -- 2. can decode continue from the token? --------------------------------------------------
 
     async def _fallback(
-        self, prefill_upstream: Upstream, first: FirstToken | None, request: ClientRequest
+        self,
+        prefill_upstream: Upstream,
+        first: FirstToken | None,
+        params: dict[str, Any] | None,
+        request: ClientRequest,
     ) -> tuple[str | None, bool]:
         """Why decode samples the first token again after all (None: it continues), and
         whether prefill's token is the whole answer."""
+        prefix = params is not None and params.get(PROMPT_PREFIX_KEY) is True
+        if prefix or self.pool.prompt_prefix(prefill_upstream):
+            # a hybrid model's prefill stops one prompt token short: its token answers nothing
+            return PROMPT_PREFIX, False
         ends_answer = first is not None and first.ends_answer(request.body)
         if first is None:
             return "no token ids from prefill", ends_answer

@@ -69,6 +69,10 @@ class InstancePool:
         """The instance failed before answering: what it taught may be stale once it is back."""
         self.prefill_ranks.forget(upstream.url)
 
+    def prompt_prefix(self, upstream: Upstream) -> bool:
+        """Whether the instance computes prompts but their last token (a hybrid model)."""
+        return self.prefill_ranks.prompt_prefix(upstream.url)
+
     def chat_prompt_ids(self, upstream: Upstream) -> bool:
         """Whether the instance's vLLM takes chat prompts as forwarded token ids."""
         return self.prefill_ranks.chat_prompt_ids(upstream.url)

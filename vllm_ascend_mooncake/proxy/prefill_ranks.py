@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..handoff import prefill_address
+from ..handoff import PROMPT_PREFIX_KEY, prefill_address
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class _Instance:
     picked: dict[int, int] = field(default_factory=dict)
     #: whether its vLLM takes chat prompts as forwarded token ids (``remote_chat_prompt_ids``)
     chat_prompt_ids: bool = False
+    #: whether it computes prompts but their last token (a hybrid model, ``PROMPT_PREFIX_KEY``)
+    prompt_prefix: bool = False
 
 
 def reported_rank(kv_transfer_params: dict[str, Any]) -> tuple[int, int] | None:
@@ -112,10 +114,17 @@ class PrefillRanks:
                 logger.info("prefill %s now fronts %d data-parallel engines", url, size)
             instance = self._instances[url] = _Instance(size)
         instance.chat_prompt_ids = kv_transfer_params.get("remote_chat_prompt_ids") is True
+        instance.prompt_prefix = kv_transfer_params.get(PROMPT_PREFIX_KEY) is True
         if instance.addresses.get(rank) != address:
             engine = f" (data-parallel engine {rank} of {size})" if size > 1 else ""
             logger.info("prefill %s%s serves its KV cache from %s", url, engine, address)
             instance.addresses[rank] = address
+
+    def prompt_prefix(self, url: str) -> bool:
+        """Whether the instance's last answer said it computes prompts but their last token
+        (streamed answers carry no params: the proxy asks what it learned)."""
+        instance = self._instances.get(url)
+        return instance is not None and instance.prompt_prefix
 
     def forget(self, url: str) -> None:
         """The instance stopped answering: its addresses may be stale once it is back."""
