@@ -24,6 +24,10 @@ decode-first-token leg). Checks:
   (``CROSS_TP_LOGPROB_BOUND``: TP alone moves its logprobs by up to 0.74);
 * decode loaded the prompts from prefill (external prefix-cache hits, pulls counted), no pull
   failed, both engines are alive and every block is freed by read-done notices;
+* a first request pulls exactly the blocks its window needs (pulled bytes): the full group's
+  whole prompt, the sliding group's blocks from the window's first on (design 4.2), for the
+  tokens decode loads (design 4.1: all of prefill's prompt on a continued leg, all but the last
+  token on a decode-first-token leg);
 * a negative control: decode given prompt X continued from prefill's token, with the KV prefill
   computed for prompt Y (same length; one token before the window and one inside it differ),
   must continue Y, not recompute X.
@@ -72,6 +76,13 @@ PROMPT_LENGTHS = (40, 127, 150, 191, 192, 300)
 #: the negative control's prompt: on the window's block boundary
 NEGATIVE_CONTROL_LENGTH = 191
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2)]
+#: bytes of one block of one layer (2 KV heads x 64, K and V, bf16). TP 2 splits the 2 KV heads
+#: (never replicates them), so a request's pulled bytes summed over decode's ranks are the same
+#: at every topology here (measured with the hybrid manager off: cdiv(n, 32) blocks x 4 layers
+#: x 16384 bytes at 1->1, 2->1 and 1->2 alike).
+BLOCK_LAYER_BYTES = SPEC.num_kv_heads * BLOCK_SIZE * SPEC.head_dim * 2 * 2
+#: layers per KV cache group: sliding ones (0, 2) and full ones (1, 3)
+LAYERS_PER_GROUP = SPEC.num_layers // 2
 
 #: what vLLM logs when a KV connector does not subclass SupportsHMA (``config/vllm.py``)
 HMA_OFF = "Turning off hybrid kv cache manager"
@@ -83,6 +94,8 @@ TWO_GROUPS = f"kv cache group sizes ({BLOCK_SIZE}, {BLOCK_SIZE})"
 #: byte pieces), so the default route runs both legs, continued and decode-first-token
 DECODE_FIRST_TOKENS = "vam_proxy_decode_first_tokens_total"
 PARTIAL_CHARACTER = {"reason": "partial character"}
+#: decode's pulled bytes, summed over its ranks
+PULL_BYTES = "vllm:mooncake_hetero_pull_bytes_sum"
 #: |logprob - colocated| allowed where prefill's TP differs from decode's. This model moves
 #: more than the MLA model's ``BF16_LOGPROB_BOUND`` (0.5) with TP alone: colocated TP 1 and TP 2,
 #: no P/D, answered the same tokens for all six prompts, but their top-5 logprobs differed by up
@@ -112,6 +125,22 @@ def negative_control_prompts() -> tuple[list[int], list[int]]:
     for position in (4, len(y) - WINDOW // 4):
         y[position] = 3 + (y[position] + 1) % 400
     return x, y
+
+
+def pulled_bytes(loaded: int) -> int:
+    """What decode pulls for a request of ``loaded`` tokens with nothing cached locally, by the
+    design (``docs/design/hma.md`` 4.2, ``held_positions``): the full group's blocks
+    ``[0, cdiv(n, bs))``, the sliding group's ``[max(0, n - W + 1) // bs, cdiv(n, bs))``."""
+    end = -(-loaded // BLOCK_SIZE)
+    start = max(0, loaded - WINDOW + 1) // BLOCK_SIZE
+    return LAYERS_PER_GROUP * (end + end - start) * BLOCK_LAYER_BYTES
+
+
+def loaded_tokens(prompt_tokens: int, decode_first: bool) -> int:
+    """The tokens decode loads (design 4.1): a continued leg all of prefill's prompt (decode
+    computes the continued token), a decode-first-token leg all but the last prompt token
+    (prefill stops one short, decode computes the last one and samples from it)."""
+    return prompt_tokens - 1 if decode_first else prompt_tokens
 
 
 def log_text(path: Path) -> str:
@@ -247,9 +276,16 @@ def test_answers_match_colocated(deployment: Case) -> None:
     divergences = 0
     for attempt in ("first", "second"):
         external_before = metric(decode_url, "vllm:external_prefix_cache_hits_total")
+        bytes_before = metric(decode_url, PULL_BYTES)
         totals_before = pd.transfer_totals()
+        expected_bytes = {}
         for n, prompt in PROMPTS.items():
+            legs_before = metric(pd.proxy_url, DECODE_FIRST_TOKENS)
             got = complete(pd.proxy_url, name, prompt)
+            decode_first = metric(pd.proxy_url, DECODE_FIRST_TOKENS) > legs_before
+            expected_bytes[n, "decode-first" if decode_first else "continued"] = pulled_bytes(
+                loaded_tokens(n, decode_first)
+            )
             what = f"{deployment} {attempt} {n}-token prompt"
             if (deployment.prefill_tp, deployment.decode_tp) == (1, 1):
                 want = reference[n]
@@ -266,6 +302,13 @@ def test_answers_match_colocated(deployment: Case) -> None:
         if attempt == "first":
             # every first request pulled on every decode rank, none failed
             assert_clean_transfers(pd, requests=len(PROMPTS), since=totals_before)
+            # and only the blocks its window needs from the sliding group (settled above)
+            pulled = metric(decode_url, PULL_BYTES) - bytes_before
+            assert pulled == sum(expected_bytes.values()), (
+                f"{deployment}: pulled {pulled:.0f} bytes, the windows need "
+                f"{sum(expected_bytes.values())}: {expected_bytes} (one block of one layer "
+                f"{BLOCK_LAYER_BYTES} bytes)"
+            )
         else:
             # a second request may find every block prefill computed in decode's own prefix
             # cache: prefill's hold is then released without a pull
