@@ -31,6 +31,7 @@ def connector_scheduler(
     block_size: int,
     extra: dict[str, Any] | None = None,
     engine_id: str = ENGINE_ID,
+    kv_cache_config: Any = None,
 ) -> ConnectorScheduler:
     """The scheduler side of a ``role`` (``"kv_producer"`` or ``"kv_consumer"``) instance of a
     prefill TP ``prefill_tp`` -> decode TP ``decode_tp`` deployment, no data parallelism;
@@ -53,7 +54,8 @@ def connector_scheduler(
             is_mla=False,
             block_size=block_size,
             device_type="cpu",
-        )
+        ),
+        kv_cache_config,
     )
 
 

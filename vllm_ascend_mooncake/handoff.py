@@ -98,13 +98,15 @@ class ClaimReply(msgspec.Struct, tag="claim_reply", frozen=True):
     restarted, not a reader, or another prompt); ``dropped``: never read it, a router freed it
     because its client left (:class:`DropHold`), so the claiming request is being aborted (a
     reader that does not know this status takes it for ``refused``). A grant carries the
-    prompt's block ids."""
+    prompt's block ids: with several KV cache groups, group after group, with the groups'
+    sizes in ``group_sizes`` (empty: one group)."""
 
     status: Id
     lease_s: float = 0.0
     reason: Text = ""
     block_ids: BlockIds = msgspec.field(default_factory=list)
     num_prompt_tokens: int = -1
+    group_sizes: list[int] = msgspec.field(default_factory=list)
 
 
 class KeepHold(msgspec.Struct, tag="keep_hold", frozen=True):

@@ -63,7 +63,7 @@ def main() -> int:
     block_ids = [list(range(i * per_req, (i + 1) * per_req)) for i in range(n)]
     started = time.perf_counter()
     finished = [
-        prefill.request_finished(r, ids)[1]
+        prefill.request_finished(r, (ids,))[1]
         for r, ids in zip(prefill_requests, block_ids, strict=True)
     ]
     prefill_us = (time.perf_counter() - started) / n * 1e6

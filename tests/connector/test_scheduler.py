@@ -36,7 +36,7 @@ def prefill_params(num_tokens: int) -> dict:
     p = scheduler("kv_producer")
     req = request("p-1", num_tokens, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = p.request_finished(req, [7, 8, 9, 10, 11])
+    delay, params = p.request_finished(req, ([7, 8, 9, 10, 11],))
     (held,) = p.build_step_orders().holds
     assert delay and (held.request_id, held.transfer_id) == ("p-1", "p-1")
     assert held.num_prompt_tokens == num_tokens
@@ -92,7 +92,7 @@ def test_a_data_parallel_prefill_names_its_engine_and_port() -> None:
     )
     req = request("p-dp", 40, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = p.request_finished(req, [1, 2])
+    _, params = p.request_finished(req, ([1, 2],))
     assert params["remote_engine_id"] == "engine-p_dp1" and params["remote_port"] == 40002
     assert (params["remote_dp_rank"], params["remote_dp_size"]) == (1, 2)
 
@@ -102,7 +102,7 @@ def test_prefill_frees_aborted_requests_at_once(status) -> None:
     p = scheduler("kv_producer")
     req = request("p-2", 40, {"do_remote_decode": True})
     req.status = status
-    assert p.request_finished(req, [1, 2]) == (False, None)
+    assert p.request_finished(req, ([1, 2],)) == (False, None)
     orders = p.build_step_orders()
     assert orders.holds == [] and orders.drops == []
 
@@ -111,7 +111,7 @@ def test_prefill_holds_under_the_proxys_transfer_id() -> None:
     p = scheduler("kv_producer")
     req = request("p-6", 70, {"do_remote_decode": True, "transfer_id": "t-6"})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = p.request_finished(req, [7, 8, 9, 10])
+    delay, params = p.request_finished(req, ([7, 8, 9, 10],))
     assert delay and params["remote_request_id"] == "t-6"
     assert p.build_step_orders().holds == [HoldOrder("p-6", "t-6", (7, 8, 9), 70)]
 
@@ -121,7 +121,7 @@ def test_prefill_ignores_unusable_transfer_ids(transfer_id) -> None:
     p = scheduler("kv_producer")
     req = request("p-7", 40, {"do_remote_decode": True, "transfer_id": transfer_id})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = p.request_finished(req, [1, 2])
+    _, params = p.request_finished(req, ([1, 2],))
     assert params["remote_request_id"] == "p-7"
 
 
@@ -134,7 +134,7 @@ def test_a_request_id_longer_than_the_wire_carries_is_handed_off_under_a_bounded
     for request_id in long_ids:
         req = request(request_id, 70, {"do_remote_decode": True})
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        delay, params = p.request_finished(req, [7, 8, 9])
+        delay, params = p.request_finished(req, ([7, 8, 9],))
         assert delay
         handed.append(params)
     holds = p.build_step_orders().holds
@@ -156,7 +156,7 @@ def test_prefill_drops_an_aborted_transfer_so_the_waiting_decode_is_refused(stat
     p = scheduler("kv_producer")
     req = request("p-8", 40, {"do_remote_decode": True, "transfer_id": "t-8"})
     req.status = status
-    assert p.request_finished(req, [1, 2]) == (False, None)
+    assert p.request_finished(req, ([1, 2],)) == (False, None)
     orders = p.build_step_orders()
     assert orders.holds == [] and orders.drops == ["t-8"]
 
@@ -165,7 +165,7 @@ def test_prefill_hands_off_when_its_token_is_eos() -> None:
     p = scheduler("kv_producer")
     req = request("p-3", 40, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_STOPPED
-    delay, params = p.request_finished(req, [1, 2])
+    delay, params = p.request_finished(req, ([1, 2],))
     assert delay and params["remote_block_ids"] == [1, 2]
 
 
@@ -196,7 +196,7 @@ def test_decode_admitted_before_prefill_with_a_prefix_hit_pulls_the_suffix() -> 
     d = scheduler("kv_consumer")
     req = request("d-7", 70, overlapped_params())
     assert d.get_num_new_matched_tokens(req, 32) == (38, True)
-    d.update_state_after_alloc(req, blocks([5, 6]), 38)
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 38)
     (pull,) = d.build_step_orders().pulls
     assert pull.local_block_ids == (5, 6) and pull.remote_block_ids is None
 
@@ -205,7 +205,7 @@ def test_decode_prefix_hit_reads_the_suffix_only() -> None:
     d = scheduler("kv_consumer")
     req = request("d-2", 70, prefill_params(70))
     assert d.get_num_new_matched_tokens(req, 32) == (38, True)
-    d.update_state_after_alloc(req, blocks([5, 6]), 38)
+    d.update_state_after_alloc(req, blocks([4, 5, 6]), 38)
     (pull,) = d.build_step_orders().pulls
     assert pull.local_block_ids == (5, 6)
 
@@ -236,7 +236,7 @@ def test_decode_reads_a_prefill_of_any_tp_it_pairs_with(prefill_tp: int) -> None
 def test_decode_request_aborted_before_scheduling_releases_prefill() -> None:
     d = scheduler("kv_consumer")
     req = request("d-4", 70, prefill_params(70))
-    assert d.request_finished(req, []) == (False, None)
+    assert d.request_finished(req, ([],)) == (False, None)
     (pull,) = d.build_step_orders().pulls
     assert pull.local_block_ids == ()
 
@@ -278,7 +278,7 @@ def test_decode_ignores_bad_params_computes_locally_and_frees_the_prefill(
         assert (pull.transfer_id, pull.remote_port) == ("p-1", 40000)
     else:
         assert pulls == []
-    assert d.request_finished(req, []) == (False, None)
+    assert d.request_finished(req, ([],)) == (False, None)
     assert d.build_step_orders().pulls == []  # released once
 
 
@@ -299,7 +299,7 @@ def test_decode_reports_only_loads_vllm_waits_for() -> None:
     assert d.get_num_new_matched_tokens(skipped, 0) == (70, True)
     d.update_state_after_alloc(skipped, blocks([7, 8, 9]), 0)
     aborted = request("d-12", 70, {**prefill_params(70), "remote_request_id": "p-12"})
-    assert d.request_finished(aborted, []) == (False, None)
+    assert d.request_finished(aborted, ([],)) == (False, None)
     pulls = d.build_step_orders().pulls
     assert [p.release_only for p in pulls] == [False, True, True]
 
@@ -315,7 +315,7 @@ def test_prefill_reports_only_blocks_it_delayed_freeing() -> None:
     p = scheduler("kv_producer")
     held = request("p-20", 40, {"do_remote_decode": True})
     held.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert p.request_finished(held, [1, 2])[0]
+    assert p.request_finished(held, ([1, 2],))[0]
     reported = output(sending={"p-20", "never-held"})
     p.filter_output(reported)
     assert reported.finished_sending == {"p-20"}
@@ -333,7 +333,7 @@ def test_sequences_of_one_request_pull_its_transfer_once() -> None:
     assert second.kv_transfer_params["do_remote_prefill"] is False
     d.update_state_after_alloc(first, blocks([4, 5, 6]), 70)
     first.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    d.request_finished(first, [4, 5, 6])
+    d.request_finished(first, ([4, 5, 6],))
     third = request("2_d-20", 70, dict(params))  # a later request naming it again: its own pull
     assert d.get_num_new_matched_tokens(third, 0) == (70, True)
 
@@ -349,14 +349,14 @@ def test_requests_aborted_while_loading_cancel_their_pull_and_are_still_reported
         d.update_state_after_alloc(r, blocks(ids), 70)
     assert d.build_step_orders().cancels == []
     leaving.status = RequestStatus.FINISHED_ABORTED
-    assert d.request_finished(leaving, [4, 5, 6]) == (False, None)
+    assert d.request_finished(leaving, ([4, 5, 6],)) == (False, None)
     orders = d.build_step_orders()
     assert orders.cancels == ["d-30"] and orders.pulls == []  # its pull is already under way
     reported = output(recving={"d-30", "d-31"})
     d.filter_output(reported)
     assert reported.finished_recving == {"d-30", "d-31"}
     staying.status = RequestStatus.FINISHED_LENGTH_CAPPED  # finished after its load: no cancel
-    d.request_finished(staying, [7, 8, 9])
+    d.request_finished(staying, ([7, 8, 9],))
     assert d.build_step_orders().cancels == []
 
 
@@ -396,7 +396,7 @@ def test_timeline_stamps_a_load_from_admission_to_first_step(caplog, monkeypatch
     aborted = request("d-21", 70, overlapped_params("t-21"))
     d.get_num_new_matched_tokens(aborted, 0)
     d.update_state_after_alloc(aborted, blocks([7, 8, 9]), 70)
-    d.request_finished(aborted, [7, 8, 9])
+    d.request_finished(aborted, ([7, 8, 9],))
     assert d._load_stamps == {}
 
 
@@ -405,7 +405,7 @@ def test_prefill_hold_carries_when_the_request_was_first_scheduled() -> None:
     req = request("p-30", 70, {"do_remote_decode": True, "transfer_id": "t-30"})
     assert p.get_num_new_matched_tokens(req, 0) == (0, False)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    p.request_finished(req, [1, 2, 3])
+    p.request_finished(req, ([1, 2, 3],))
     (held,) = p.build_step_orders().holds
     assert held.arrived_at == req.arrival_time
     assert held.arrived_at <= held.scheduled_at <= held.finished_at

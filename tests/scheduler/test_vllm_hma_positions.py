@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from vam_testing.vllm_scheduler import make_request  # noqa: E402
+from vllm_ascend_mooncake.core.groups import GroupKind, GroupSpec  # noqa: E402
 
 BLOCK_SIZE = 32
 WINDOW = 64
@@ -99,9 +100,12 @@ def _manager(kind: str) -> KVCacheManager:
 
 
 def _expected(kind: str, n: int) -> range:
-    """The design's ``held_positions`` for the second group."""
+    """The positions the second group holds: the connector's rule (``GroupSpec``) for a
+    sliding window, the design's single position for a state."""
     if kind == "sliding":
-        return range(max(0, n - WINDOW + 1) // BLOCK_SIZE, _cdiv(n, BLOCK_SIZE))
+        group = GroupSpec(GroupKind.SLIDING, BLOCK_SIZE, WINDOW)
+        end = _cdiv(n, BLOCK_SIZE)
+        return range(end - group.held_count(n), end)
     return range((n - 1) // BLOCK_SIZE, (n - 1) // BLOCK_SIZE + 1)
 
 

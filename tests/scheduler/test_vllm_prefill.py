@@ -39,7 +39,7 @@ def prefill(**config) -> Instance:
 
 def test_prefill_holds_the_prompt_blocks_until_decode_has_read_them() -> None:
     p = prefill()
-    finished = p.spy("request_finished")
+    finished = p.spy("request_finished_all_groups")
     req = p.request("p-1", 40, params=hand_off(), max_tokens=1)
 
     step = p.step()
@@ -50,7 +50,7 @@ def test_prefill_holds_the_prompt_blocks_until_decode_has_read_them() -> None:
     blocks = p.block_ids("p-1")
     assert len(blocks) == 3
     ((_, given_blocks, (delay_free, params)),) = finished
-    assert delay_free and given_blocks == blocks
+    assert delay_free and given_blocks == (blocks,)
     assert {k: v for k, v in done.kv_transfer_params.items() if k in params} == params
 
     remote = decode_accepts(done.kv_transfer_params, 40)
@@ -125,7 +125,7 @@ def test_an_aborted_prefill_frees_its_blocks_at_once(transfer_id: str | None) ->
     """Nobody will read an aborted prompt: its blocks go back at once; a decode admitted early
     under the proxy's transfer id is told (a drop) instead of waiting for its timeout."""
     p = prefill(max_num_batched_tokens=32)
-    finished = p.spy("request_finished")
+    finished = p.spy("request_finished_all_groups")
     params = hand_off() if transfer_id is None else {**hand_off(), "transfer_id": transfer_id}
     req = p.request("p-5", 64, params=params, max_tokens=1)
     step = p.step()
@@ -197,7 +197,7 @@ def test_prefill_drops_reports_vllm_is_not_waiting_for() -> None:
 
 def test_a_request_without_do_remote_decode_is_served_and_freed_as_usual() -> None:
     p = prefill()
-    finished = p.spy("request_finished")
+    finished = p.spy("request_finished_all_groups")
     p.request("plain", 40, max_tokens=1)
     step = p.step()
     assert step.finished("plain").kv_transfer_params is None

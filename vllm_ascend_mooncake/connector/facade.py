@@ -47,8 +47,12 @@ class StepMetadata(KVConnectorMetadata):
     applied: bool = False
 
 
-class MooncakeHeteroConnector(KVConnectorBase_V1):
-    """P/D disaggregation over Mooncake with heterogeneous TP (GQA head merge and slice)."""
+class MooncakeHeteroConnector(KVConnectorBase_V1, vllm_compat.SupportsHMA):
+    """P/D disaggregation over Mooncake with heterogeneous TP (GQA head merge and slice).
+
+    ``SupportsHMA`` keeps vLLM's hybrid KV cache manager on: a model whose layers differ in kind
+    (sliding window beside full attention) gets a KV cache group per kind, each moved with its
+    own block ids (:mod:`.kv_groups`); kinds the transfer cannot move are refused at start-up."""
 
     # vLLM 0.33+ labels external prefix-cache hits by tier: a pull comes from a peer instance.
     _cache_hit_source = vllm_compat.p2p_cache_hit_source()
@@ -64,11 +68,11 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(self._config)
+            self._scheduler = ConnectorScheduler(self._config, kv_cache_config)
         else:
             from .worker import ConnectorWorker
 
-            self._worker = ConnectorWorker(self._config, vllm_config)
+            self._worker = ConnectorWorker(self._config, vllm_config, kv_cache_config)
 
     # -- class-level hooks ---------------------------------------------------------------------
 
@@ -142,6 +146,13 @@ class MooncakeHeteroConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM without its hybrid manager (one KV cache group)."""
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager: the request's blocks per KV cache group."""
         return self._scheduler.request_finished(request, block_ids)
 
     # -- worker side ---------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def model_identity(
     num_kv_heads: int,
     head_size: int,
     is_mla: bool,
+    kv_cache_groups: Iterable[str] = (),
 ) -> ModelIdentity:
     """The identity of a worker whose KV cache holds ``layer_names``.
 
@@ -85,4 +86,5 @@ def model_identity(
         ),
         model_config=model_config_digest(model.hf_config.to_dict()),
         vllm_version=str(vllm.__version__),
+        kv_cache_groups=list(kv_cache_groups),
     )

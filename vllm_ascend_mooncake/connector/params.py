@@ -29,6 +29,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ..core.groups import GroupKind, GroupSpec, describe_groups, split_groups
 from ..core.topology import Topologies, TopologyError
 from ..datapath.side_channel import address_problem
 from ..handoff import HOLD_IF_STOPPED_KEY as HOLD_IF_STOPPED_KEY
@@ -73,6 +74,11 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     #: request's prompt as token ids in ``kv_transfer_params["prompt_token_ids"]`` (vLLM
     #: 0.30+), which a chat request continued from prefill's token needs.
     remote_chat_prompt_ids: bool = False
+    #: A model with several KV cache groups (vLLM's hybrid manager): each group's block count
+    #: in ``remote_block_ids``, group after group, and the groups described
+    #: (:mod:`..core.groups`), which must be decode's. None: one group.
+    remote_group_sizes: list[int] | None = None
+    remote_kv_groups: list[_Name] | None = None
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 
@@ -112,13 +118,16 @@ def parse_remote_prefill(
     topologies: Topologies,
     block_size: int,
     prompt_token_ids: Sequence[int],
+    groups: Sequence[GroupSpec] = (),
 ) -> RemotePrefill:
     """Validate decode-side params against this deployment and the request's own prompt.
 
     The prefill instance may run any TP size this decode instance can pair with
     (``topologies``): a decode instance can be fed by prefill instances of several sizes. The
     prompt is prefill's (same length), or prefill's followed by exactly the tokens prefill
-    sampled (``remote_output_token_ids``)."""
+    sampled (``remote_output_token_ids``). ``groups``: decode's KV cache groups (none: one
+    full-attention group), which prefill's must be, each holding the blocks its kind keeps."""
+    groups = tuple(groups) or (GroupSpec(GroupKind.FULL, block_size),)
     num_prompt_tokens = len(prompt_token_ids)
     try:
         parsed = msgspec.convert(params, RemotePrefill, strict=True)
@@ -150,6 +159,13 @@ def parse_remote_prefill(
         if parsed.remote_num_tokens < num_prompt_tokens:
             _check_continuation(parsed, prompt_token_ids)
         num_prompt_tokens = parsed.remote_num_tokens
+    described = describe_groups(groups) if len(groups) > 1 else []
+    if (parsed.remote_kv_groups or []) != described:
+        raise InvalidTransferParams(
+            f"the prefill instance's KV cache groups are {parsed.remote_kv_groups or ['one']}, "
+            f"this decode instance's {described or ['one']}: they do not serve the same model "
+            f"with the same hybrid KV cache manager setting"
+        )
     if parsed.remote_block_ids is None:
         return parsed  # before prefill answered: prefill checks the prompt when decode claims
     if parsed.remote_num_tokens is None:
@@ -164,13 +180,26 @@ def parse_remote_prefill(
             f"prefill block size {parsed.remote_block_size} and decode block size {block_size}: "
             f"neither divides the other"
         )
-    expected_blocks = -(-num_prompt_tokens // prefill_block_size)
     blocks = parsed.remote_block_ids
-    if len(blocks) > MAX_REMOTE_BLOCKS or len(blocks) != expected_blocks:
+    if len(blocks) > MAX_REMOTE_BLOCKS:
+        raise InvalidTransferParams(f"{len(blocks)} remote blocks (at most {MAX_REMOTE_BLOCKS})")
+    try:
+        per_group = split_groups(blocks, parsed.remote_group_sizes or ())
+    except ValueError as exc:
+        raise InvalidTransferParams(str(exc)) from exc
+    if len(per_group) != len(groups):
         raise InvalidTransferParams(
-            f"{len(blocks)} remote blocks for {num_prompt_tokens} tokens of block size "
-            f"{prefill_block_size} (expected {expected_blocks})"
+            f"remote blocks in {len(per_group)} KV cache groups, this decode has {len(groups)}"
         )
+    for group, ids in zip(groups, per_group, strict=True):
+        held = GroupSpec(group.kind, prefill_block_size, group.window)
+        expected_blocks = held.held_count(num_prompt_tokens)
+        if len(ids) != expected_blocks:
+            raise InvalidTransferParams(
+                f"{len(ids)} remote blocks for {num_prompt_tokens} tokens of block size "
+                f"{prefill_block_size} (expected {expected_blocks}"
+                + (f" in a {held.describe()} group)" if len(groups) > 1 else ")")
+            )
     if any(b < 0 for b in blocks):
         raise InvalidTransferParams("negative remote block id")
     return parsed

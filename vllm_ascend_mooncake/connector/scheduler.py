@@ -22,14 +22,17 @@ reported at all.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core.groups import GroupKind, GroupSpec, describe_groups, flatten_groups
 from ..core.topology import Topologies
 from ..datapath.orders import HoldOrder, PairingOrder, PullOrder, StepOrders
 from ..handoff import HOLD_IF_STOPPED_KEY, MAX_TRANSFER_ID_CHARS, TRANSFER_ID_KEY
 from ..log import get_logger
 from ..timeline import TimelineLog
 from .config import ConnectorConfig, is_loopback
+from .kv_groups import transfer_group_ids, transfer_group_specs
 from .params import (
     MAX_OUTPUT_TOKENS,
     InvalidTransferParams,
@@ -55,8 +58,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class ConnectorScheduler:
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.config = config
+        #: the engine's KV cache groups a request's KV moves in, and their ids in vLLM's block
+        #: tables (vLLM's hybrid manager; one full-attention group without a config)
+        self._groups: tuple[GroupSpec, ...] = transfer_group_specs(
+            kv_cache_config, config.block_size
+        )
+        self._group_ids = transfer_group_ids(kv_cache_config) if kv_cache_config else (0,)
+        #: whether a pull must leave decode a prompt token to compute (module docstring)
+        self._windowed = any(g.kind is GroupKind.SLIDING for g in self._groups)
         #: decode: the prefill TP sizes this instance can read (any that pairs with its own)
         self._topologies = Topologies(config.topology(), local_is_decode=not config.is_producer)
         self._remote: dict[str, RemotePrefill] = {}
@@ -112,7 +123,9 @@ class ConnectorScheduler:
                 topologies=self._topologies,
                 block_size=self.config.block_size,
                 prompt_token_ids=request.prompt_token_ids or (),
+                groups=self._groups,
             )
+            self._check_window(remote, request.num_prompt_tokens)
         except InvalidTransferParams as exc:
             logger.warning(
                 "request %s: ignoring kv_transfer_params (%s); computing the prompt locally",
@@ -128,6 +141,19 @@ class ConnectorScheduler:
         self._pulling[remote.remote_request_id] = request.request_id
         self._warn_if_unreachable(remote)
         return remote
+
+    def _check_window(self, remote: RemotePrefill, num_prompt_tokens: int) -> None:
+        """A model with a sliding window pulls only a prompt that continues past prefill's
+        (the proxy's continued legs, first token from prefill): a pull of the whole prompt makes
+        vLLM recompute its last token, whose window reaches into a block prefill no longer
+        holds whenever ``(n - W + 1)`` is a multiple of the block size."""
+        if self._windowed and remote.prefill_tokens(num_prompt_tokens) >= num_prompt_tokens:
+            raise InvalidTransferParams(
+                "this model has sliding-window layers, and the request's prompt is prefill's "
+                "whole prompt: vLLM would recompute its last token over blocks the window "
+                "dropped; only requests continued from prefill's token (vam-proxy's default "
+                "route) are pulled"
+            )
 
     def _compute_unpairable(self, request: Request, remote: RemotePrefill) -> bool:
         """Whether the prefill engine holding ``request``'s KV cannot be read by this decode
@@ -212,12 +238,17 @@ class ConnectorScheduler:
             return
         params = request.kv_transfer_params
         params["do_remote_prefill"] = False  # one transfer per request
-        local: list[int] = []
+        local: tuple[int, ...] = ()
+        sizes: tuple[int, ...] = ()
         if num_external_tokens > 0:
             prefill_tokens = remote.prefill_tokens(request.num_prompt_tokens)
-            cached_blocks = (prefill_tokens - num_external_tokens) // self.config.block_size
-            prompt_blocks = _cdiv(prefill_tokens, self.config.block_size)
-            local = blocks.get_unhashed_block_ids()[: prompt_blocks - cached_blocks]
+            cached_tokens = prefill_tokens - num_external_tokens
+            local, sizes = flatten_groups(
+                [
+                    self._wanted_blocks(blocks.blocks[gid], group, prefill_tokens, cached_tokens)
+                    for gid, group in zip(self._group_ids, self._groups, strict=True)
+                ]
+            )
         admitted_at = time.time()
         if local:
             self._loading.add(request.request_id)
@@ -229,9 +260,32 @@ class ConnectorScheduler:
         # pull only releases prefill's hold and the workers never report it.
         self._orders.pulls.append(
             self._pull_order(
-                request, remote, local, arrived_at=request.arrival_time, admitted_at=admitted_at
+                request,
+                remote,
+                local,
+                sizes,
+                arrived_at=request.arrival_time,
+                admitted_at=admitted_at,
             )
         )
+
+    @staticmethod
+    def _wanted_blocks(
+        table: list[Any], group: GroupSpec, num_tokens: int, cached_tokens: int
+    ) -> list[int]:
+        """The decode blocks of one group that a load of ``num_tokens`` tokens fills, its first
+        ``cached_tokens`` cached here already: the group's trailing positions its kind keeps
+        (:meth:`GroupSpec.wanted_count`), in the position-indexed block table vLLM allocated."""
+        end = _cdiv(num_tokens, group.block_size)
+        wanted = table[end - group.wanted_count(num_tokens, cached_tokens) : end]
+        ids = [block.block_id for block in wanted]
+        if len(table) < end or any(getattr(block, "is_null", False) for block in wanted):
+            raise AssertionError(
+                f"vLLM allocated {len(table)} blocks of a {group.describe()} group for a "
+                f"{num_tokens}-token load, positions {end - len(ids)}..{end - 1} not all real: "
+                f"{ids[:8]} (a connector bug: please report it)"
+            )
+        return ids
 
     def _release_rejected(self, request: Request) -> None:
         """Params this decode will not pull with still name a prefill holding the KV: tell it
@@ -256,7 +310,8 @@ class ConnectorScheduler:
         self,
         request: Request,
         remote: RemotePrefill,
-        local: list[int],
+        local: tuple[int, ...],
+        local_group_sizes: tuple[int, ...] = (),
         arrived_at: float = 0.0,
         admitted_at: float = 0.0,
     ) -> PullOrder:
@@ -264,7 +319,9 @@ class ConnectorScheduler:
         return PullOrder(
             request_id=request.request_id,
             transfer_id=remote.remote_request_id,
-            local_block_ids=tuple(local),
+            local_block_ids=local,
+            local_group_sizes=local_group_sizes,
+            remote_group_sizes=tuple(remote.remote_group_sizes or ()),
             remote_block_ids=None if blocks is None else tuple(blocks),
             remote_host=remote.remote_host,
             remote_port=remote.remote_port,
@@ -310,8 +367,10 @@ class ConnectorScheduler:
         output.finished_sending = _expected(output.finished_sending, self._holding, "sent")
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks per KV cache group, position-indexed, as vLLM's
+        ``request_finished_all_groups`` passes them (``(ids,)`` for one group)."""
         self._load_stamps.pop(request.request_id, None)
         scheduled_at = self._first_seen.pop(request.request_id, 0.0)
         params = request.kv_transfer_params
@@ -330,7 +389,7 @@ class ConnectorScheduler:
             remote = self._remote.pop(request.request_id, None) or self._try_parse(request)
             params["do_remote_prefill"] = False
             if remote is not None:
-                self._orders.pulls.append(self._pull_order(request, remote, []))
+                self._orders.pulls.append(self._pull_order(request, remote, ()))
             else:
                 self._release_rejected(request)
             return False, None
@@ -348,7 +407,7 @@ class ConnectorScheduler:
                 params[TRANSFER_ID_KEY],
                 MAX_TRANSFER_ID_CHARS,
             )
-        prompt_blocks = block_ids[: _cdiv(request.num_prompt_tokens, self.config.block_size)]
+        prompt_blocks, group_sizes = self._held_blocks(block_ids, request.num_prompt_tokens)
         handed_off = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
             request.status == RequestStatus.FINISHED_STOPPED
             and params.get(HOLD_IF_STOPPED_KEY, True) is not False
@@ -363,8 +422,9 @@ class ConnectorScheduler:
             HoldOrder(
                 request.request_id,
                 transfer_id,
-                tuple(prompt_blocks),
+                prompt_blocks,
                 request.num_prompt_tokens,
+                group_sizes=group_sizes,
                 finished_at=time.time(),
                 arrived_at=request.arrival_time,
                 scheduled_at=scheduled_at,
@@ -383,7 +443,25 @@ class ConnectorScheduler:
             remote_dp_size=self.config.server_dp_size,
             remote_output_token_ids=list(request.output_token_ids)[:MAX_OUTPUT_TOKENS],
             remote_chat_prompt_ids=self._chat_prompt_ids,
+            remote_group_sizes=list(group_sizes) if group_sizes else None,
+            remote_kv_groups=describe_groups(self._groups) if group_sizes else None,
         ).to_dict()
+
+    def _held_blocks(
+        self, block_ids: Sequence[Sequence[int]], num_prompt_tokens: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A finished prefill request's blocks to hold (flat, and each group's count): per
+        group, the prompt's trailing positions its kind keeps (:class:`GroupSpec`). Nothing
+        when a group lacks one of them (vLLM 0.23 passes more blocks, never fewer)."""
+        held = []
+        for gid, group in zip(self._group_ids, self._groups, strict=True):
+            table = block_ids[gid] if gid < len(block_ids) else ()
+            end = _cdiv(num_prompt_tokens, group.block_size)
+            ids = tuple(table[end - group.held_count(num_prompt_tokens) : end])
+            if len(table) < end or not ids or 0 in ids:  # 0: vLLM's null block, freed
+                return (), ()
+            held.append(ids)
+        return flatten_groups(held)
 
     def _try_parse(self, request: Request) -> RemotePrefill | None:
         try:
@@ -392,6 +470,7 @@ class ConnectorScheduler:
                 topologies=self._topologies,
                 block_size=self.config.block_size,
                 prompt_token_ids=request.prompt_token_ids or (),
+                groups=self._groups,
             )
         except InvalidTransferParams:
             return None

@@ -21,6 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
+try:  # vLLM's hybrid KV cache manager stays on for a connector subclassing it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a release without it never asks
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stands in for vLLM's ``SupportsHMA`` where the installed vLLM has none."""
+
+
 #: The head-major layout's name on every supported release. vLLM 0.23 knows only the FlashInfer
 #: names ``NHD``/``HND`` (its CUDA backends raise "Unknown cache layout format" for anything
 #: else); 0.30+ name layouts by stride order and read ``HND`` as ``LBHNC``

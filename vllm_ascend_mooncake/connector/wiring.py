@@ -46,10 +46,13 @@ MIN_STAGING_AREA_MIB = 32
 @dataclass(frozen=True)
 class KVCacheMemory:
     """A worker's KV cache as the data path sees it: the tensors whose storages are registered
-    with the transport, and the regions described from them, in layer order."""
+    with the transport, and the regions described from them, in layer order;
+    ``region_groups``: each region's KV cache group (vLLM's hybrid manager, -1: not
+    transferred), empty when the model has one group."""
 
     tensors: list[torch.Tensor]
     regions: list[Region]
+    region_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ def build_decode_side(
         client,
         settings.receiver,
         StagingPool([area for t in staging for area in staging_areas(t.data_ptr(), t.numel())]),
+        region_groups=memory.region_groups,
     )
     pairings = PairingProbes(peers) if who.tp_rank == 0 else None
     return DecodeSide(receiver, client, peers, metadata, local_memory, staging, pairings)

@@ -8,12 +8,14 @@ A failed pull is reported finished *and* its blocks as load errors in the same s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.groups import describe_groups
 from ..core.layout import (
     BlockOrder,
     ChunkPacking,
@@ -50,6 +52,7 @@ from .attention_layers import (
 )
 from .config import ConnectorConfig
 from .identity import model_identity
+from .kv_groups import group_of_layer, region_groups, transfer_group_specs
 from .stats import TransferStats
 from .vllm_defects import mla_plain_rope_on_cpu
 from .wiring import (
@@ -148,11 +151,15 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 
 class ConnectorWorker:
-    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+    def __init__(
+        self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any = None
+    ) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.config = config
         self._vllm_config = vllm_config
+        #: the engine's KV cache groups (vLLM 0.30+ hands it over; None before)
+        self._kv_cache_config = kv_cache_config
         self.tp_rank = get_tensor_model_parallel_rank()
         self.transport: Transport | None = None
         self.sender: PrefillSender | None = None
@@ -172,6 +179,7 @@ class ConnectorWorker:
         ordered = dict(sorted(kv_caches.items(), key=lambda item: _layer_order(item[0])))
         layers = vllm_config.compilation_config.static_forward_context
         refuse_unsupported_parallelism(vllm_config.parallel_config)
+        groups = transfer_group_specs(self._kv_cache_config, config.block_size)
         refuse_hybrid_layers(ordered, layers)
         model = vllm_config.model_config
         drafts: set[str] = set()
@@ -198,9 +206,17 @@ class ConnectorWorker:
             num_kv_heads=config.num_kv_heads,
             head_size=geometry.head_size,
             is_mla=config.is_mla,
+            kv_cache_groups=describe_groups(groups) if len(groups) > 1 else (),
         )
         layer_heads = draft_layer_heads(geometry, topology, config.draft_kv_heads)
         memory = self._describe(ordered, identity, geometry, layer_heads)
+        if len(groups) > 1:
+            memory = dataclasses.replace(
+                memory,
+                region_groups=region_groups(
+                    [r.name for r in memory.regions], group_of_layer(self._kv_cache_config)
+                ),
+            )
         self._check_resolved_layout(memory.regions)
         self.transport = create_transport(
             config.transport,
@@ -379,6 +395,7 @@ class ConnectorWorker:
                     request_id=held.request_id,
                     block_ids=held.block_ids,
                     num_prompt_tokens=held.num_prompt_tokens,
+                    group_sizes=held.group_sizes,
                 )
                 timeline_log.emit(
                     "prefill",

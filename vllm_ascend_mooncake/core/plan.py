@@ -37,6 +37,7 @@ each (region pair, pull) once (:func:`~.descriptors.move_kind`) and build on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from .descriptors import needs_staging
 from .layout import BlockOrder, Region, RegionLayout, kernel_block_ids
@@ -70,6 +71,7 @@ __all__ = [
     "block_sizes_differ",
     "may_need_staging",
     "needs_staging",
+    "plan_grouped_request",
     "plan_request",
     "request_needs_staging",
 ]
@@ -86,6 +88,7 @@ def plan_request(
     options: PlanOptions | None = None,
     *,
     num_tokens: int | None = None,
+    remote_suffix: bool = False,
 ) -> RequestPlan:
     """Plan every read decode rank ``decode_rank`` issues for one request.
 
@@ -97,13 +100,13 @@ def plan_request(
     ``num_tokens`` is the prompt length. Equal block sizes ignore it (decode blocks pair with the
     suffix of the prefill blocks); different block sizes (:func:`~.plan_tokens.align_tokens`)
     check the block counts against it, and need it when the prefill block is the larger one.
+    ``remote_suffix``: prefill holds only the prompt's last blocks (a sliding-window group).
     """
     options = options or PlanOptions()
     request = RequestPulls.of(topology, decode_rank, seed, local_regions)
+    planner = plan_equal_block_sizes
     if block_sizes_differ(local_regions, remote_regions, request.prefill_ranks):
-        planner = plan_mixed_block_sizes
-    else:
-        planner = plan_equal_block_sizes
+        planner = partial(plan_mixed_block_sizes, remote_suffix=remote_suffix)
     local_ids = _in_kernel_blocks(local_block_ids, local_regions, num_tokens, "decode")
     # every peer of a request is a rank of one prefill instance: its regions are cut alike
     ranks = request.prefill_ranks
@@ -112,6 +115,73 @@ def plan_request(
     return planner(
         request, local_regions, remote_regions, local_ids, remote_ids, options, num_tokens
     )
+
+
+def plan_grouped_request(
+    topology: TransferTopology,
+    decode_rank: int,
+    seed: int,
+    local_regions: Sequence[Region],
+    remote_regions: Mapping[int, Sequence[Region]],
+    region_groups: Sequence[int],
+    local_groups: Sequence[Sequence[int]],
+    remote_groups: Sequence[Sequence[int]],
+    options: PlanOptions | None = None,
+    *,
+    num_tokens: int | None = None,
+) -> RequestPlan:
+    """:func:`plan_request` for a model with several KV cache groups (:mod:`.groups`): region
+    ``i`` belongs to group ``region_groups[i]`` and moves that group's blocks; each group is
+    planned alone and the peers' batches are concatenated, group after group. No
+    ``region_groups``: one group. A group whose prefill blocks are fewer than the prompt's
+    (a sliding window) is the suffix of the prompt's blocks."""
+    if not region_groups:
+        (local_ids,), (remote_ids,) = local_groups, remote_groups
+        return plan_request(
+            topology,
+            decode_rank,
+            seed,
+            local_regions,
+            remote_regions,
+            local_ids,
+            remote_ids,
+            options,
+            num_tokens=num_tokens,
+        )
+    if len(region_groups) != len(local_regions) or len(local_groups) != len(remote_groups):
+        raise PlanError(
+            f"{len(local_regions)} regions in {len(region_groups)} group assignments, "
+            f"{len(local_groups)} decode and {len(remote_groups)} prefill block groups"
+        )
+    if len(local_groups) <= max(region_groups, default=-1):
+        raise PlanError(
+            f"regions belong to {max(region_groups) + 1} KV cache groups, the request has "
+            f"blocks for {len(local_groups)}"
+        )
+    peers: dict[int, PeerPlan] = {}
+    fixups: list[SwapAxes] = []
+    for group, (local_ids, remote_ids) in enumerate(zip(local_groups, remote_groups, strict=True)):
+        members = [i for i, g in enumerate(region_groups) if g == group]
+        if not members:
+            continue
+        plan = plan_request(
+            topology,
+            decode_rank,
+            seed,
+            [local_regions[i] for i in members],
+            {rank: [regions[i] for i in members] for rank, regions in remote_regions.items()},
+            local_ids,
+            remote_ids,
+            options,
+            num_tokens=num_tokens,
+            remote_suffix=True,
+        )
+        fixups.extend(plan.fixups)
+        for peer in plan.peers:
+            merged = peers.setdefault(peer.prefill_rank, PeerPlan(peer.prefill_rank, (), []))
+            merged.pulls = tuple(dict.fromkeys((*merged.pulls, *peer.pulls)))
+            merged.batches.extend(peer.batches)
+    return RequestPlan(list(peers.values()), fixups)
 
 
 def _in_kernel_blocks(

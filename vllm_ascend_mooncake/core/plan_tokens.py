@@ -57,6 +57,7 @@ def align_tokens(
     decode_block_size: int,
     prefill_block_size: int,
     num_tokens: int | None = None,
+    remote_suffix: bool = False,
 ) -> TokenPieces:
     """Pair decode and prefill blocks token by token when one block size divides the other.
 
@@ -70,6 +71,10 @@ def align_tokens(
 
     The number of decode blocks of the prompt follows from the prefill block count when the
     decode block is the larger one; otherwise ``num_tokens`` (the prompt length) is required.
+
+    ``remote_suffix``: prefill holds only the last of the prompt's blocks (a sliding window
+    dropped the others, :mod:`.groups`); needs ``num_tokens``. Tokens before prefill's first
+    block are not moved: they lie below the window, which decode's attention never reads.
     """
     decode_size, prefill_size = decode_block_size, prefill_block_size
     if decode_size % prefill_size and prefill_size % decode_size:
@@ -80,8 +85,14 @@ def align_tokens(
     local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
     remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
     prefill_blocks = len(remote)
+    remote_first = 0
+    if remote_suffix and num_tokens is None:
+        raise PlanError("a suffix of the prefill blocks needs the prompt length to align")
     if num_tokens is not None:
         expected = -(-num_tokens // prefill_size)
+        if remote_suffix and 0 <= prefill_blocks <= expected:
+            remote_first = expected - prefill_blocks
+            prefill_blocks = expected
         if num_tokens < 0 or prefill_blocks != expected:
             raise PlanError(
                 f"the prefill side holds {prefill_blocks} blocks of {prefill_size} tokens, but a "
@@ -105,14 +116,15 @@ def align_tokens(
     cached = decode_blocks - len(local)
     piece = min(prefill_size, decode_size)
     end = min(prefill_blocks * prefill_size, decode_blocks * decode_size)
-    starts = np.arange(cached * decode_size, end, piece, dtype=np.int64)
+    first = max(cached * decode_size, remote_first * prefill_size)
+    starts = np.arange(first, end, piece, dtype=np.int64)
     local_index = starts // decode_size - cached
     filled = np.minimum(decode_size, end - (local_index + cached) * decode_size)
     return TokenPieces(
         tokens=piece,
         local_blocks=local[local_index],
         local_slots=starts % decode_size,
-        remote_blocks=remote[starts // prefill_size],
+        remote_blocks=remote[starts // prefill_size - remote_first],
         remote_slots=starts % prefill_size,
         local_filled=filled,
     )
@@ -138,6 +150,7 @@ def plan_mixed_block_sizes(
     remote_block_ids: Sequence[int],
     options: PlanOptions,
     num_tokens: int | None,
+    remote_suffix: bool = False,
 ) -> RequestPlan:
     """Plan a request whose prefill and decode block sizes differ (one divides the other).
 
@@ -172,6 +185,7 @@ def plan_mixed_block_sizes(
                     decode_block_size=sizes[0],
                     prefill_block_size=sizes[1],
                     num_tokens=num_tokens,
+                    remote_suffix=remote_suffix,
                 )
 
     per_peer = {rank: PeerDescriptors() for rank in request.prefill_ranks}

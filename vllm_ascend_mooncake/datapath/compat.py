@@ -25,6 +25,10 @@ _FIX_BY_FIELD = {
     "model_config": "model",
     "attention_backend": "attention backend (same device type and, on CPU, same ISA)",
     "vllm_version": "vLLM version",
+    "kv_cache_groups": (
+        "model and hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both "
+        "or neither)"
+    ),
 }
 
 

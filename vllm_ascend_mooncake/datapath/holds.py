@@ -22,6 +22,8 @@ class Hold:
     deadline: float
     block_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = -1
+    #: the KV cache groups' sizes in ``block_ids`` (none: one group)
+    group_sizes: tuple[int, ...] = ()
     failed_readers: set[int] = field(default_factory=set)
     hold_ends: float = float("inf")  # the latest deadline any lease may extend to
     #: decode rank -> the reader (decode worker incarnation) its lease was first granted to

@@ -1,7 +1,7 @@
 """Decode side: obtain and renew the read lease of each prefill rank a pull reads.
 
 A lease is prefill's promise to keep a transfer's blocks for ``lease_s``: decode reads only under
-one, and only the blocks the grant names (:func:`agreed_block_ids`). The claims themselves wait
+one, and only the blocks the grant names (:func:`agreed_blocks`). The claims themselves wait
 for their grants on :mod:`.claims`' one thread; this module turns the answers into grants or
 typed failures (:mod:`.failures`), and claims again from a prefill that restarted while an early
 pull (admitted before prefill finished) waited for it.
@@ -52,30 +52,37 @@ class LeaseTerms:
     claim_park_s: float  # how long prefill may hold one "pending" answer
 
 
-def agreed_block_ids(
-    pull: PullOrder, rank: int, so_far: tuple[int, ...] | None, granted: ClaimReply
-) -> tuple[int, ...]:
-    """The prefill block ids a grant names, checked against the prompt and against what is
-    already known: the request's params (serial legs) or the other ranks' grants (overlapped).
+#: A request's prefill blocks: the ids, group after group, and the KV cache groups' sizes.
+HeldBlocks = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def agreed_blocks(
+    pull: PullOrder, rank: int, so_far: HeldBlocks | None, granted: ClaimReply
+) -> HeldBlocks:
+    """The prefill block ids (and groups' sizes) a grant names, checked against the prompt and
+    against what is already known: the request's params (serial legs) or the other ranks'
+    grants (overlapped).
 
     A decode reads only blocks that prefill holds for this transfer: params naming other blocks
     (a client's own, or a stale or forged hand-off) are refused, not read."""
-    block_ids = tuple(granted.block_ids)
+    blocks = (tuple(granted.block_ids), tuple(granted.group_sizes))
+    block_ids = blocks[0]
     if granted.num_prompt_tokens != pull.num_prompt_tokens or not block_ids:
         raise PullError(
             FailureKind.GRANT_MISMATCH,
             f"prefill computed {granted.num_prompt_tokens} prompt tokens in {len(block_ids)} "
             f"blocks, the decode request has {pull.num_prompt_tokens} tokens",
         )
-    if so_far is not None and block_ids != so_far:
+    if so_far is not None and blocks != so_far:
         named_by = "another prefill rank" if pull.early else "the request's kv_transfer_params"
         raise PullError(
             FailureKind.GRANT_MISMATCH,
-            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}..., "
-            f"{named_by} in {list(so_far)[:8]}...: refusing to read blocks prefill does not hold "
-            f"for this transfer",
+            f"prefill rank {rank} holds {pull.transfer_id} in blocks {list(block_ids)[:8]}... "
+            f"(groups of {list(blocks[1])}), {named_by} in {list(so_far[0])[:8]}... (groups "
+            f"of {list(so_far[1])}): refusing to read blocks prefill does not hold for this "
+            f"transfer",
         )
-    return block_ids
+    return blocks
 
 
 def check_same_tp(prefill: PrefillPeer, topology: TransferTopology) -> None:

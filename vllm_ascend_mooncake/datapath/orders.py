@@ -20,6 +20,10 @@ class PullOrder:
     lease then carries them, and ``num_prompt_tokens`` lets prefill check the prompts match.
     ``remote_port`` is the side channel of prefill TP rank 0; rank ``r`` listens on
     ``remote_port + r``.
+
+    A model with several KV cache groups (vLLM's hybrid manager: sliding-window beside full
+    attention) lists each side's blocks group after group, with the groups' sizes
+    (``*_group_sizes``, :func:`~..core.groups.split_groups`); no sizes: one group.
     """
 
     request_id: str
@@ -35,6 +39,8 @@ class PullOrder:
     #: wall-clock times vLLM received the request and admitted it for loading (timeline only)
     arrived_at: float = field(default=0.0, compare=False)
     admitted_at: float = field(default=0.0, compare=False)
+    local_group_sizes: tuple[int, ...] = ()
+    remote_group_sizes: tuple[int, ...] = ()
 
     @property
     def release_only(self) -> bool:
@@ -57,6 +63,8 @@ class HoldOrder:
     transfer_id: str  # what decode claims and reports reads under
     block_ids: tuple[int, ...]
     num_prompt_tokens: int
+    #: the KV cache groups' sizes in ``block_ids``, group after group (none: one group)
+    group_sizes: tuple[int, ...] = ()
     #: wall-clock time vLLM finished the request (scheduler process), for the hold-delay metric
     finished_at: float = field(default=0.0, compare=False)
     #: wall-clock times vLLM received it and its scheduler first saw it (timeline only)

@@ -52,13 +52,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..core.groups import split_groups
 from ..core.layout import Region
 from ..core.plan import (
     PeerPlan,
     PlanOptions,
     RequestPlan,
     StagingArea,
-    plan_request,
+    plan_grouped_request,
     request_needs_staging,
 )
 from ..core.relayout import LocalMemory, apply_swaps
@@ -70,7 +71,7 @@ from .claims import ClaimExchange
 from .copy_overlap import CopyOverlap
 from .failures import FailureKind, PullError, as_pull_error
 from .lanes import FifoLane
-from .leases import LeasedPeer, Leases, LeaseTerms, agreed_block_ids
+from .leases import HeldBlocks, LeasedPeer, Leases, LeaseTerms, agreed_blocks
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
 from .peer_lookup import Lookup, PeerLookup
@@ -262,10 +263,13 @@ class Receiver:
         client: SideChannelClient,
         options: ReceiverOptions | None = None,
         staging: StagingPool | None = None,
+        region_groups: Sequence[int] = (),
     ) -> None:
         self._topology = topology
         self._rank = decode_rank
         self._local_regions = list(local_regions)
+        #: each region's KV cache group (vLLM's hybrid manager), none: one group
+        self._region_groups = tuple(region_groups)
         self._memory = memory
         self._peers = peers
         self._options = options = options or ReceiverOptions()
@@ -415,7 +419,7 @@ class Receiver:
         try:
             lookup = self._lookup.look_up(pull, peers)
             if not pull.local_block_ids:  # release-only: nothing to claim or read
-                self._plan_and_read(pull, peers, lookup, pull.remote_block_ids, timeline)
+                self._plan_and_read(pull, peers, lookup, None, timeline)
                 return
             claims = {
                 rank: self._leases.first_claim(pull, peer, lookup.remote_tables, lookup.topology)
@@ -447,11 +451,13 @@ class Receiver:
     ) -> None:
         """Every rank answered its claim: plan the reads if all granted the same blocks."""
         try:
-            remote_block_ids = pull.remote_block_ids
+            blocks = None
+            if pull.remote_block_ids is not None:
+                blocks = (pull.remote_block_ids, pull.remote_group_sizes)
             for rank, claim in claims.items():
-                remote_block_ids = agreed_block_ids(pull, rank, remote_block_ids, claim.result())
+                blocks = agreed_blocks(pull, rank, blocks, claim.result())
             timeline.granted = time.monotonic()
-            self._plan_and_read(pull, peers, lookup, remote_block_ids, timeline)
+            self._plan_and_read(pull, peers, lookup, blocks, timeline)
         except Exception as exc:
             self._give_up(pull, peers, exc)
 
@@ -476,11 +482,14 @@ class Receiver:
         pull: PullOrder,
         peers: dict[int, LeasedPeer],
         lookup: Lookup,
-        remote_block_ids: Sequence[int] | None,
+        remote: HeldBlocks | None,
         timeline: PullTimeline,
     ) -> None:
         """Plan the request's reads (in a staging area if it needs one) and queue them on
         each peer's lane."""
+        groups = max(self._region_groups, default=0) + 1
+        local_groups = self._block_groups(pull.local_block_ids, pull.local_group_sizes, groups)
+        remote_groups = self._block_groups(*(remote or ((), ())), groups)
         staging = None
         if pull.local_block_ids and request_needs_staging(
             self._local_regions, lookup.remote_tables, lookup.pulls
@@ -498,14 +507,15 @@ class Receiver:
                 self._options.claim_park_s,
             )
         try:
-            plan = plan_request(
+            plan = plan_grouped_request(
                 lookup.topology,
                 self._rank,
                 lookup.seed,
                 self._local_regions,
                 lookup.remote_tables,
-                pull.local_block_ids,
-                remote_block_ids or (),
+                self._region_groups,
+                local_groups,
+                remote_groups,
                 PlanOptions(
                     max_descriptors_per_batch=self._options.max_descriptors_per_batch,
                     coalesce_runs=self._options.coalesce_runs,
@@ -527,6 +537,26 @@ class Receiver:
                 self._lane(peers[peer_plan.prefill_rank].transport_session).push((state, peer_plan))
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
+
+    @staticmethod
+    def _block_groups(
+        block_ids: Sequence[int], sizes: Sequence[int], groups: int
+    ) -> list[tuple[int, ...]]:
+        """A side's blocks per KV cache group (none at all: every group empty)."""
+        if not block_ids and not sizes:
+            return [()] * groups
+        try:
+            split = split_groups(block_ids, sizes)
+        except ValueError as exc:
+            raise PullError(FailureKind.GRANT_MISMATCH, str(exc)) from exc
+        if len(split) != groups:
+            raise PullError(
+                FailureKind.GRANT_MISMATCH,
+                f"the request's blocks come in {len(split)} KV cache group(s), this decode "
+                f"worker's KV cache has {groups}: the two instances do not run the same model "
+                f"(or not both with vLLM's hybrid KV cache manager)",
+            )
+        return split
 
     def _lane(self, session: str) -> FifoLane:
         with self._lanes_lock:

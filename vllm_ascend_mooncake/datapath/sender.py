@@ -120,9 +120,11 @@ class SendTracker:
         request_id: str | None = None,
         block_ids: tuple[int, ...] = (),
         num_prompt_tokens: int = -1,
+        group_sizes: tuple[int, ...] = (),
     ) -> None:
-        """Start holding a request's blocks until its readers are done (or time runs out)."""
-        self._hold(transfer_id, request_id, tuple(block_ids), num_prompt_tokens)
+        """Start holding a request's blocks until its readers are done (or time runs out);
+        ``group_sizes``: the KV cache groups' sizes in ``block_ids`` (none: one group)."""
+        self._hold(transfer_id, request_id, tuple(block_ids), num_prompt_tokens, group_sizes)
         if self.on_change is not None:
             self.on_change(transfer_id)
 
@@ -132,6 +134,7 @@ class SendTracker:
         request_id: str | None,
         block_ids: tuple[int, ...],
         num_prompt_tokens: int,
+        group_sizes: tuple[int, ...] = (),
     ) -> None:
         request_id = transfer_id if request_id is None else request_id
         with self._lock:
@@ -171,6 +174,7 @@ class SendTracker:
                 now + self._timeout,
                 block_ids,
                 num_prompt_tokens,
+                group_sizes=tuple(group_sizes),
                 hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
                 decode_tp=topology.decode_tp if early_tp >= 0 else None,
             )
@@ -245,6 +249,7 @@ class SendTracker:
                 lease_s=held.deadline - now,
                 block_ids=list(held.block_ids),
                 num_prompt_tokens=held.num_prompt_tokens,
+                group_sizes=list(held.group_sizes),
             )
 
     def leased_blocks(

@@ -135,6 +135,11 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     attention_backend: Id = ""
     model_config: Id = ""
     vllm_version: Id = ""
+    #: the KV cache groups of vLLM's hybrid manager, described (``core.groups``), when there
+    #: are several; empty for one group (and from workers that predate groups)
+    kv_cache_groups: Annotated[list[Id], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class WorkerMetadata(msgspec.Struct, tag="metadata", frozen=True):
