@@ -267,6 +267,38 @@ def test_hybrid_kv_cache_manager_stays_on(deployment: Case) -> None:
         assert two_groups, f"{server.log_path}: no '{TWO_GROUPS}'; {told}"
 
 
+def assert_first_pulls(
+    pd: LocalDeployment,
+    totals_before: dict[str, int],
+    bytes_before: float,
+    expected_bytes: dict[tuple[int, str], int],
+    what: str,
+) -> None:
+    """The first attempt's pulls: every continued leg pulled on every decode rank, none failed,
+    and decode pulled exactly the blocks the windows need (``expected_bytes``, per prompt and
+    leg). A decode-first-token leg either pulls all but the last prompt token (design 4.1) or,
+    until prefill can stop one token short (``prefill_all_but_last``), is computed by decode
+    itself with prefill's hold released ("only requests continued from prefill's token ... are
+    pulled" in decode's log): all such legs alike, never some of them."""
+    continued = [key for key in expected_bytes if key[1] == "continued"]
+    decode_first = [key for key in expected_bytes if key[1] == "decode-first"]
+    assert continued, f"{what}: no continued leg to check"
+    assert_clean_transfers(pd, requests=len(continued), since=totals_before, left=len(decode_first))
+    totals = pd.transfer_totals()
+    pulls = (totals["successful"] - totals_before["successful"]) // pd.spec.decode_tp
+    pulled = metric(pd.decode.base_url, PULL_BYTES) - bytes_before
+    if pulls == len(continued):  # decode computed the decode-first-token legs itself
+        wanted = {key: expected_bytes[key] for key in continued}
+    else:
+        assert pulls == len(expected_bytes), f"{what}: {pulls} pulls, legs {list(expected_bytes)}"
+        wanted = expected_bytes
+    assert pulled == sum(wanted.values()), (
+        f"{what}: pulled {pulled:.0f} bytes, the windows need {sum(wanted.values())}: {wanted} "
+        f"(one block of one layer {BLOCK_LAYER_BYTES} bytes)"
+    )
+    print(f"[sliding window {what}] first pulls: {sorted(wanted)}")
+
+
 def test_answers_match_colocated(deployment: Case) -> None:
     pd, colocated = deployment.pd, deployment.colocated
     reference = colocated.answers()
@@ -300,14 +332,12 @@ def test_answers_match_colocated(deployment: Case) -> None:
         # decode loaded the prompts (or, the second time, what its own prefix cache lacks)
         assert metric(decode_url, "vllm:external_prefix_cache_hits_total") > external_before
         if attempt == "first":
-            # every first request pulled on every decode rank, none failed
-            assert_clean_transfers(pd, requests=len(PROMPTS), since=totals_before)
-            # and only the blocks its window needs from the sliding group (settled above)
-            pulled = metric(decode_url, PULL_BYTES) - bytes_before
-            assert pulled == sum(expected_bytes.values()), (
-                f"{deployment}: pulled {pulled:.0f} bytes, the windows need "
-                f"{sum(expected_bytes.values())}: {expected_bytes} (one block of one layer "
-                f"{BLOCK_LAYER_BYTES} bytes)"
+            assert_first_pulls(
+                pd,
+                totals_before,
+                bytes_before,
+                expected_bytes,
+                str(deployment),
             )
         else:
             # a second request may find every block prefill computed in decode's own prefix
