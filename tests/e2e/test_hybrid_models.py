@@ -70,8 +70,9 @@ BLOCK_SIZE = 32
 SPEC = TinySlidingWindowModelSpec(dtype=DTYPE)
 WINDOW = SPEC.sliding_window
 #: prompt lengths in tokens: within the first window (2 blocks, nothing dropped); the window's
-#: first token on a block boundary (127: block 1 of 4 is the first kept, 191: block 3 of 6);
-#: blocks dropped mid-block (150); the boundary just missed (192); many blocks dropped (300)
+#: first token on a block boundary (127 loaded tokens: the sliding group keeps blocks 2-3 of 4,
+#: 191: blocks 4-5 of 6); the window starting mid-block (150); the boundary just missed (192);
+#: many blocks dropped (300: blocks 7-9 of 10)
 PROMPT_LENGTHS = (40, 127, 150, 191, 192, 300)
 #: the negative control's prompt: on the window's block boundary
 NEGATIVE_CONTROL_LENGTH = 191
@@ -102,9 +103,10 @@ PULL_BYTES = "vllm:mooncake_hetero_pull_bytes_sum"
 #: to 0.74 (150-token prompt, position 7; 0.73 at its position 3, 0.60 at the 192-token prompt's
 #: position 3). P/D across TP mixes the two (prefill's KV at one TP, decode's at the other): 2->1
 #: measured 0.86 at the 150-token prompt's position 3, 1->2 0.58 at the 127-token prompt's
-#: position 4 (vLLM's hybrid manager off, the whole prompt moved). Tokens must still agree but
-#: at near-ties (``2 * bound``); a pull of wrong blocks moves logprobs by units (the negative
-#: control's X and Y).
+#: position 4 (vLLM's hybrid manager off, the whole prompt moved); with it on (only the windows'
+#: blocks moved, hand-offs straight to decode) every topology stayed within 1.0. Tokens must
+#: still agree but at near-ties (``2 * bound``); a pull of wrong blocks moves logprobs by units
+#: (the negative control's X and Y).
 CROSS_TP_LOGPROB_BOUND = 1.0
 
 
