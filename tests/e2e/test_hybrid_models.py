@@ -149,6 +149,16 @@ def log_text(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
+def ignored_params(pd: LocalDeployment, lines: int = 4) -> str:
+    """Why decode computed requests itself: the last lines of its log that say so."""
+    told = [
+        line[line.find("ignoring kv_transfer_params") :][:300]
+        for line in log_text(pd.decode.log_path).splitlines()
+        if "ignoring kv_transfer_params" in line
+    ]
+    return f"{len(told)} requests' kv_transfer_params ignored by decode, last: {told[-lines:]}"
+
+
 class Colocated:
     """A colocated instance (no connector: vLLM keeps its hybrid manager on) at one TP, started
     at once and waited for at first use; its reference answers are computed once."""
@@ -332,7 +342,9 @@ def test_answers_match_colocated(deployment: Case) -> None:
                     got, prompt, colocated.ask, what, deployment.bound
                 )
         # decode loaded the prompts (or, the second time, what its own prefix cache lacks)
-        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") > external_before
+        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") > external_before, (
+            f"{deployment} {attempt}: decode loaded nothing; {ignored_params(pd)}"
+        )
         if attempt == "first":
             assert_first_pulls(
                 pd,
