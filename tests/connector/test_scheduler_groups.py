@@ -143,3 +143,50 @@ def test_a_state_group_is_refused_naming_its_kind() -> None:
     )
     with pytest.raises(LayoutError, match="MambaSpec"):
         scheduler("kv_producer", hybrid_config(state))
+
+
+def test_prefill_computes_all_but_the_last_prompt_token_once() -> None:
+    """A hybrid model's prefill drops its prompt's last token (decode computes it), once,
+    however often vLLM re-admits the request; a plain request keeps its prompt."""
+    p = scheduler("kv_producer")
+    req = vllm_request("p-3", 150, {"do_remote_decode": True})
+    p.on_new_request(req)
+    p.on_new_request(req)  # preempted and admitted again
+    assert req.num_prompt_tokens == 149 and len(req.prompt_token_ids) == 149
+    plain = vllm_request("p-4", 150, None)
+    p.on_new_request(plain)
+    assert plain.num_prompt_tokens == 150
+    req.status = RequestStatus.FINISHED_STOPPED  # an EOS after a prefix answers nothing
+    delay, params = p.request_finished(req, ([0, 0, 13, 14, 15], [21, 22, 23, 24, 25]))
+    assert delay and params["remote_prompt_prefix"] is True
+    assert params["remote_num_tokens"] == 149
+
+
+def test_decode_pulls_a_prompt_prefix_and_computes_the_last_token() -> None:
+    p = scheduler("kv_producer")
+    prefill = vllm_request("p-5", 150, {"do_remote_decode": True})
+    p.on_new_request(prefill)
+    prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(prefill, ([0, 0, 13, 14, 15], [21, 22, 23, 24, 25]))
+    d = scheduler("kv_consumer")
+    req = vllm_request("d-5", 150, params)
+    assert d.get_num_new_matched_tokens(req, 0) == (149, True)
+    allocated = KVCacheBlocks((table([0, 0, 33, 34, 35]), table([41, 42, 43, 44, 45])))
+    d.update_state_after_alloc(req, allocated, 149)
+    (pull,) = d.build_step_orders().pulls
+    assert pull.num_prompt_tokens == 149 and pull.local_group_sizes == (3, 5)
+
+
+def test_decode_admitted_before_prefill_expects_a_prompt_prefix() -> None:
+    """Overlapped legs: no block ids yet; prefill of the same hybrid model stops one short."""
+    d = scheduler("kv_consumer")
+    early = {
+        "do_remote_prefill": True,
+        "remote_request_id": "t-9",
+        "remote_engine_id": "engine-p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 40000,
+        "remote_tp_size": 1,
+    }
+    req = vllm_request("d-6", 150, early)
+    assert d.get_num_new_matched_tokens(req, 0) == (149, True)

@@ -139,6 +139,8 @@ class FakeVllm:
         self.ignores_prompt_token_ids = False
         #: What a prefill says of its vLLM taking them (``remote_chat_prompt_ids``).
         self.says_chat_prompt_ids = True
+        #: Whether a prefill says it computed the prompt but its last token (a hybrid model).
+        self.says_prompt_prefix = False
         #: The engine ignores ``return_token_ids`` (answers without token ids).
         self.ignores_return_token_ids = False
         #: How a stream ends early: None (it does not), "cut" (the stream ends after its first
@@ -217,6 +219,8 @@ class FakeVllm:
             "remote_num_tokens": 70,
             "remote_chat_prompt_ids": self.says_chat_prompt_ids,
         }
+        if self.says_prompt_prefix:
+            params["remote_prompt_prefix"] = True
         if self.dp_size > 1:  # each engine: its own id (vLLM appends _dp<rank>) and ports
             params["remote_engine_id"] += f"_dp{dp_rank}"
             params["remote_port"] += dp_rank

@@ -279,6 +279,29 @@ def test_a_first_token_that_is_part_of_a_character_is_sampled_again_by_decode(
     assert 'vam_proxy_decode_first_tokens_total{reason="partial character"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_prefill_that_stops_one_prompt_token_short_has_decode_sample_the_first_token(
+    engines: Engines, proxy: httpx.Client, path: str
+) -> None:
+    """A hybrid model's prefill computes the prompt but its last token: its sampled token
+    answers nothing, whole legs or streamed (whose params the proxy makes itself, so it goes by
+    what the instance's earlier answer said)."""
+    engines.prefill.says_prompt_prefix = True
+    body = body_for(path, stream=True)
+    want = colocated(engines, path, body)
+    same_answer(path, proxy.post(path, json=body), want, True)  # a whole prefill leg
+    same_answer(path, proxy.post(path, json=body), want, True)  # a streamed one
+    legs = engines.decode.generation_requests()
+    assert len(legs) == 2
+    for leg in legs:
+        assert leg.body.get("prompt", leg.body.get("messages")) == body.get(
+            "prompt", body.get("messages")
+        )  # the client's prompt: decode samples the first token
+        assert leg.body["kv_transfer_params"]["remote_prompt_prefix"] is True
+    metrics = proxy.get("/metrics").text
+    assert 'vam_proxy_decode_first_tokens_total{reason="prompt prefix"} 2.0' in metrics
+
+
 BLOCKED = {
     "n": ({"n": 2}, "n"),
     "seed": ({"seed": 3, "temperature": 0.8}, "seed"),

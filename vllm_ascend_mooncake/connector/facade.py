@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..datapath.orders import StepOrders
 from . import vllm_compat
 from .config import config_from_vllm
+from .kv_groups import transfer_group_ids
 from .scheduler import ConnectorScheduler
 from .stats import TransferPromMetrics, TransferStats
 
@@ -113,7 +114,7 @@ class MooncakeHeteroConnector(KVConnectorBase_V1, vllm_compat.SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """vLLM 0.33+: a pull restores the request's blocks of every transferred group."""
-        return vllm_compat.transfer_group_ids(self._kv_cache_config)
+        return transfer_group_ids(self._kv_cache_config)
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler.on_new_request(request)

@@ -21,8 +21,12 @@ from ..core.layout import LayoutError
 
 
 def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
-    """The groups a request's KV moves in: every group that takes part in transfers (vLLM
-    0.30+'s ``KVCacheConfig.transfer_group_ids``), else every group."""
+    """The groups a request's KV moves in, and a pull restores: every group that takes part in
+    transfers (vLLM 0.30+'s ``KVCacheConfig.transfer_group_ids``; not only the prefix-cacheable
+    ones ``get_loaded_kv_cache_group_ids`` defaults to), else every group; without a config
+    (vLLM < 0.30), the one group."""
+    if kv_cache_config is None:
+        return (0,)
     ids = getattr(kv_cache_config, "transfer_group_ids", None)
     if ids is not None:
         return tuple(ids)

@@ -67,7 +67,7 @@ class ConnectorScheduler:
         self._groups: tuple[GroupSpec, ...] = transfer_group_specs(
             kv_cache_config, config.block_size
         )
-        self._group_ids = transfer_group_ids(kv_cache_config) if kv_cache_config else (0,)
+        self._group_ids = transfer_group_ids(kv_cache_config)
         #: whether a pull must leave decode a prompt token to compute (:meth:`_check_window`)
         self._partial_groups = any(g.kind is not GroupKind.FULL for g in self._groups)
         #: decode: the prefill TP sizes this instance can read (any that pairs with its own)

@@ -73,17 +73,6 @@ def registers_kv_cache_access() -> Any:
     return KVCacheAccess.REGISTERS
 
 
-def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
-    """The KV cache groups a pull restores: every group that takes part in transfers (vLLM
-    0.33+'s ``KVCacheConfig.transfer_group_ids``), not only the prefix-cacheable ones that
-    ``get_loaded_kv_cache_group_ids`` defaults to, because a pull brings the request's own
-    blocks of each group."""
-    ids = getattr(kv_cache_config, "transfer_group_ids", None)
-    if ids is not None:
-        return tuple(ids)
-    return tuple(range(len(kv_cache_config.kv_cache_groups)))
-
-
 def head_major_layout_requested() -> bool:
     """Whether ``VLLM_KV_CACHE_LAYOUT`` asks for head-major caches: the only setting
     vllm-ascend's attention backend shapes its K and V tensors by

@@ -158,6 +158,7 @@ _OTHER_REASONS = (
     "chat on vLLM before 0.30",
     "partial character",
     "max_model_len",  # min_tokens beyond the one token a prompt filling the context leaves
+    "prompt prefix",  # a hybrid model's prefill computes the prompt but its last token
 )
 REASON_LABELS = frozenset(
     {*_OTHER_REASONS, *(key for allowed in _ALLOWED.values() for key in allowed)}
