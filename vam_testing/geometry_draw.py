@@ -25,7 +25,29 @@ machine:
 * block sizes 32, 64 or 128 per side, mixed (vLLM CPU's chunk packing is known, so blocks are cut
   by token). MLA models are bfloat16 (vLLM CPU's MLA backends need it) with DeepSeek-V2's real
   latent (576 elements) and block size 32 on both sides: vLLM CPU's MLA backends take no other
-  (CPU_MLA forces 16, AMX_MLA takes 32).
+  (CPU_MLA forces 16, AMX_MLA takes 32);
+* hybrid models, served with vLLM's hybrid KV cache manager (issue #45), both bfloat16 (vLLM
+  CPU serves neither in float32 here) and neither with an EAGLE draft or a disagreeing config:
+
+  - a sliding-window Llama (:class:`TinySlidingWindowModelSpec`: layers alternating sliding and
+    full attention, a window of :data:`SLIDING_WINDOWS` tokens) in a quarter of the Llama
+    draws. The draw keeps the Llama draw's KV heads, head size, layers, TP sizes and block
+    sizes (so a printed seed's other axes keep their meaning) and only its dtype becomes
+    bfloat16; prompts past the window plus a block drop sliding blocks (the long prompt of most
+    draws);
+  - a Qwen3-Next (:class:`TinyQwen3NextModelSpec`: Gated DeltaNet layers and full attention)
+    in :data:`QWEN3_NEXT_FRACTION` of all draws, which it replaces. Its TP sizes are 1 or 2
+    (they split its two KV heads and its two linear key / four value heads; GDN heads are
+    never replicated) and its attention pages stay the default tiny model's (two KV heads of
+    64, linear heads 2/4 of 64): vLLM picks a Qwen3-Next's block size itself, so that an
+    attention page holds a state page, and for that geometry it is
+    :data:`QWEN3_NEXT_BLOCK_SIZE` at TP 1 and 2 (docs/design/hma.md); the draw passes it on
+    both sides. Layers and attention heads (which change no page) are drawn.
+
+  Both are drawn from generators of their own (``random.Random`` of ``"sliding-<seed>"`` and
+  ``"qwen3-next-<seed>"``), not by adding to :data:`ARCHITECTURES`, which would change the
+  architecture, and so every other axis, of most existing seeds: a seed that draws neither means
+  what it meant before.
 
 No I/O, no vLLM: tests/testing checks every draw of many seeds against these rules.
 """
@@ -39,6 +61,10 @@ import random
 from dataclasses import dataclass
 
 from vllm_ascend_mooncake.launch.tiny_draft_model import TinyEagleDraftSpec
+from vllm_ascend_mooncake.launch.tiny_hybrid_model import (
+    TinyQwen3NextModelSpec,
+    TinySlidingWindowModelSpec,
+)
 from vllm_ascend_mooncake.launch.tiny_mla_model import TinyMLAModelSpec
 from vllm_ascend_mooncake.launch.tiny_model import TinyModelSpec
 
@@ -53,6 +79,16 @@ DTYPES = ("float32", "bfloat16")
 BLOCK_SIZES = (32, 64, 128)
 #: vLLM CPU's MLA backends: AMX_MLA takes 32-token blocks, CPU_MLA forces 16 whatever is asked
 MLA_BLOCK_SIZE = 32
+#: hybrid draws: the share of Llama draws made sliding-window ones, their windows (tokens), the
+#: share of all draws made Qwen3-Next ones, its TP sizes, attention heads and block size
+SLIDING_FRACTION = 0.25
+SLIDING_WINDOWS = (16, 128)
+QWEN3_NEXT = "qwen3_next"
+QWEN3_NEXT_FRACTION = 0.125
+QWEN3_NEXT_TP_SIZES = (1, 2)
+QWEN3_NEXT_ATTENTION_HEADS = (4, 8)
+QWEN3_NEXT_BLOCK_SIZE = 128
+HYBRID_DTYPE = "bfloat16"
 #: fewer query heads than this make the tiny model's attention too coarse to tell KV apart
 MIN_ATTENTION_HEADS = 4
 
@@ -93,14 +129,46 @@ class GeometryDraw:
     #: Llama: an EAGLE draft model's total KV heads and head size (None: no draft model)
     draft_kv_heads: int | None = None
     draft_head_dim: int | None = None
+    #: Llama: the sliding window of its sliding-window layers (None: full attention only)
+    sliding_window: int | None = None
 
     @property
     def is_mla(self) -> bool:
         return self.architecture == "deepseek_mla"
 
-    def model_spec(self) -> TinyModelSpec | TinyMLAModelSpec:
+    @property
+    def is_qwen3_next(self) -> bool:
+        return self.architecture == QWEN3_NEXT
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Served with several KV cache groups (vLLM's hybrid manager): prefill computes the
+        prompt but its last token, decode computes that one."""
+        return self.is_qwen3_next or self.sliding_window is not None
+
+    def model_spec(
+        self,
+    ) -> TinyModelSpec | TinyMLAModelSpec | TinySlidingWindowModelSpec | TinyQwen3NextModelSpec:
         """The tiny model to build; its weights are seeded by the draw's seed too."""
         weights_seed = self.seed % 2**31
+        if self.is_qwen3_next:
+            return TinyQwen3NextModelSpec(
+                num_layers=self.num_layers,
+                num_attention_heads=self.num_attention_heads,
+                dtype=self.dtype,
+                seed=weights_seed,
+            )
+        if self.sliding_window is not None:
+            assert self.num_kv_heads is not None and self.head_dim is not None
+            return TinySlidingWindowModelSpec(
+                num_layers=self.num_layers,
+                num_attention_heads=self.num_attention_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                seed=weights_seed,
+                sliding_window=self.sliding_window,
+            )
         if self.is_mla:
             return TinyMLAModelSpec(
                 num_layers=self.num_layers,
@@ -152,6 +220,8 @@ class GeometryDraw:
             heads += f"-cfgd{self.config_head_dim}"
         if self.draft_kv_heads is not None:
             heads += f"-eagle-kv{self.draft_kv_heads}-d{self.draft_head_dim}"
+        if self.sliding_window is not None:
+            heads += f"-sw{self.sliding_window}"
         return (
             f"seed{self.seed}-{self.architecture}-l{self.num_layers}-h{self.num_attention_heads}"
             f"-{heads}-{self.dtype}-tp{self.prefill_tp}to{self.decode_tp}"
@@ -175,7 +245,10 @@ def shardable(num_kv_heads: int, tp: int) -> bool:
 
 def draw_geometry(seed: int) -> GeometryDraw:
     """The geometry of ``seed`` (the same on every machine and Python version: ``random.Random``
-    with an int seed is stable)."""
+    with an int or str seed is stable)."""
+    qwen3_next = _qwen3_next(seed)
+    if qwen3_next is not None:
+        return qwen3_next
     rng = random.Random(seed)
     architecture = rng.choice(ARCHITECTURES)
     prefill_tp, decode_tp = rng.choice(
@@ -213,7 +286,46 @@ def draw_geometry(seed: int) -> GeometryDraw:
         prefill_block_size=rng.choice(BLOCK_SIZES),
         decode_block_size=rng.choice(BLOCK_SIZES),
     )
+    sliding = _as_sliding_window(draw)
+    if sliding is not None:
+        return sliding
     return _with_draft(_with_disagreeing_config(draw))
+
+
+def _qwen3_next(seed: int) -> GeometryDraw | None:
+    """A Qwen3-Next draw in :data:`QWEN3_NEXT_FRACTION` of the seeds (see the module docstring),
+    from a generator of its own; None for the others."""
+    rng = random.Random(f"qwen3-next-{seed}")
+    if rng.random() >= QWEN3_NEXT_FRACTION:
+        return None
+    prefill_tp, decode_tp = rng.choice(
+        [(p, d) for p in QWEN3_NEXT_TP_SIZES for d in QWEN3_NEXT_TP_SIZES]
+    )
+    defaults = TinyQwen3NextModelSpec()
+    return GeometryDraw(
+        seed=seed,
+        architecture=QWEN3_NEXT,
+        num_layers=rng.choice(LAYERS),
+        dtype=HYBRID_DTYPE,
+        num_attention_heads=rng.choice(QWEN3_NEXT_ATTENTION_HEADS),
+        num_kv_heads=defaults.num_kv_heads,
+        head_dim=defaults.head_dim,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        prefill_block_size=QWEN3_NEXT_BLOCK_SIZE,
+        decode_block_size=QWEN3_NEXT_BLOCK_SIZE,
+    )
+
+
+def _as_sliding_window(draw: GeometryDraw) -> GeometryDraw | None:
+    """:data:`SLIDING_FRACTION` of the Llama draws as sliding-window ones, bfloat16, with a window
+    from a generator of their own (see the module docstring); None for the others."""
+    rng = random.Random(f"sliding-{draw.seed}")
+    if draw.architecture != "llama" or rng.random() >= SLIDING_FRACTION:
+        return None
+    return dataclasses.replace(
+        draw, dtype=HYBRID_DTYPE, sliding_window=rng.randint(*SLIDING_WINDOWS)
+    )
 
 
 def _with_draft(draw: GeometryDraw) -> GeometryDraw:
