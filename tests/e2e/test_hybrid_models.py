@@ -75,6 +75,13 @@ PULL_BYTES = "vllm:mooncake_hetero_pull_bytes_sum"
 #: within 1.0. Tokens must still agree but at near-ties (``2 * bound``); a pull of wrong blocks
 #: moves logprobs by units (the negative control's X and Y).
 CROSS_TP_LOGPROB_BOUND = 1.0
+#: The tiny Qwen3-Next (bf16, a mixture of 4 experts routed top-2) moves far more with TP
+#: alone: colocated TP 1 and TP 2, no P/D, same greedy tokens for its 129- and 385-token prompts
+#: but top-5 logprobs up to 2.25 and 4.5 apart (a near-tie of the expert router goes the other
+#: way), and its 257-token prompt's tokens part at position 4. Across TP its answers are held to
+#: this bound and greedy tokens but at near-ties; that the state moves right across TP rests on
+#: the exact 1->1 answers and ``tests/core/test_plan_state.py``'s byte-exact shard property test.
+QWEN3_NEXT_CROSS_TP_BOUND = 5.0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,6 +98,8 @@ class HybridModel:
     block_size: int
     prompt_lengths: tuple[int, ...]
     negative_control_length: int
+    #: |logprob - colocated| allowed where prefill's TP differs from decode's
+    cross_tp_bound: float = CROSS_TP_LOGPROB_BOUND
 
     @property
     def two_groups(self) -> str:
@@ -122,14 +131,27 @@ class HybridModel:
 
 #: The sliding-window Llama (window 64) with 32-token blocks: prompts within the first window;
 #: the window's first token on a block boundary for the tokens prefill computes (128, 192: the
-#: load of 127, 191); blocks dropped mid-block (150); many dropped (300). Qwen3-Next: vLLM makes
-#: its blocks 128 tokens (the attention page must hold a GDN state page); prompts within one
-#: block, a load of exactly one block (129), two blocks and a bit, three.
+#: load of 127, 191); blocks dropped mid-block (150); many dropped (300).
+#: Qwen3-Next: vLLM makes its blocks 128 tokens (the attention page must hold a GDN state page).
+#: Its prompts are one token past whole blocks, so that colocated's prefix-cached answer takes
+#: the very path P/D takes: the cached blocks' state (a checkpoint at the block boundary) and
+#: the last token alone. P/D then equals it bit for bit (measured: every top logprob equal at
+#: 129 and 257 tokens, 1->1). A prompt computed in one piece by colocated differs from the
+#: pulled prefix and one token by up to 1.0 in bf16 logprobs (40 and 150 tokens, 1->1): GDN's
+#: chunked kernel over the whole prompt against the same kernel over all but its last token
+#: and a one-token step, not a difference in the state moved.
 MODELS = [
     HybridModel(
         "sliding", TinySlidingWindowModelSpec(dtype=DTYPE), 32, (40, 128, 150, 192, 300), 192
     ),
-    HybridModel("qwen3_next", TinyQwen3NextModelSpec(dtype=DTYPE), 128, (40, 129, 150, 300), 150),
+    HybridModel(
+        "qwen3_next",
+        TinyQwen3NextModelSpec(dtype=DTYPE),
+        128,
+        (129, 257, 385),
+        257,
+        cross_tp_bound=QWEN3_NEXT_CROSS_TP_BOUND,
+    ),
 ]
 
 
@@ -225,7 +247,7 @@ class Case:
     def bound(self) -> float:
         """The logprob bound against colocated at decode's TP."""
         same_tp = self.prefill_tp == self.decode_tp
-        return BF16_LOGPROB_BOUND if same_tp else CROSS_TP_LOGPROB_BOUND
+        return BF16_LOGPROB_BOUND if same_tp else self.model.cross_tp_bound
 
     def __str__(self) -> str:
         return f"{self.model.name} {self.prefill_tp}->{self.decode_tp}"
@@ -310,10 +332,11 @@ def test_answers_match_colocated(deployment: Case) -> None:
                 divergences += compare_every_position(
                     got, prompt, colocated.ask, what, deployment.bound
                 )
-        assert metric(decode_url, "vllm:external_prefix_cache_hits_total") > external_before, (
-            f"{deployment} {attempt}: decode loaded nothing; {ignored_params(pd)}"
-        )
         if attempt == "first":
+            loaded = metric(decode_url, "vllm:external_prefix_cache_hits_total")
+            assert loaded > external_before, (
+                f"{deployment}: decode loaded nothing; {ignored_params(pd)}"
+            )
             assert_clean_transfers(pd, requests=len(model.prompt_lengths), since=totals_before)
             pulled = metric(decode_url, PULL_BYTES) - bytes_before
             wanted = sum(model.pulled_bytes(n - 1) for n in model.prompt_lengths)
@@ -322,7 +345,8 @@ def test_answers_match_colocated(deployment: Case) -> None:
                 f"all but the last prompt token"
             )
         else:
-            # decode's own prefix cache may hold what prefill computed: a hold is then released
+            # decode's own prefix cache may hold all prefill computed (whole blocks, and the
+            # state checkpoint at their end): a hold is then released without a pull
             assert_clean_transfers(
                 pd, requests=0, since=totals_before, left=len(model.prompt_lengths)
             )
