@@ -75,6 +75,10 @@ REFERENCE_SALT = "colocated"
 #: several units and flips greedy tokens that are no near-tie (the negative control checks
 #: that the answer is Y's, not X's).
 BF16_DRAW_BOUND = 1.0
+#: A Qwen3-Next draw across TP: its bf16 mixture of experts moves up to 4.5 in top-5 logprobs
+#: with TP alone (colocated TP 1 vs TP 2, no transfer; ``test_hybrid_models.py``), where a
+#: router near-tie goes the other way; its same-TP draws keep :data:`BF16_DRAW_BOUND`.
+QWEN3_NEXT_CROSS_TP_BOUND = 5.0
 
 
 def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_path) -> None:
@@ -104,6 +108,8 @@ def test_random_geometry_pd_matches_colocated(geometry_draw: GeometryDraw, tmp_p
     )
     exact = draw.dtype == "float32"
     bound = BF16_DRAW_BOUND
+    if draw.is_qwen3_next and draw.prefill_tp != draw.decode_tp:
+        bound = QWEN3_NEXT_CROSS_TP_BOUND
     divergences = 0
     deviations: list[float] = []
 

@@ -177,17 +177,17 @@ class ConnectorScheduler:
         return remote
 
     def _check_window(self, remote: RemotePrefill, num_prompt_tokens: int) -> None:
-        """A model with sliding-window or state layers pulls only a prompt that continues past
-        prefill's (the proxy's continued legs, first token from prefill): a pull of the whole
-        prompt makes vLLM recompute its last token, whose window reaches into a block prefill
-        no longer holds whenever ``(n - W + 1)`` is a multiple of the block size, and which
-        would advance a loaded state by that token a second time."""
+        """A model with sliding-window or state layers pulls only fewer tokens than its prompt
+        (this connector's prefill computes all but the last, :meth:`on_new_request`): a pull of
+        the whole prompt makes vLLM recompute its last token, whose window reaches into a block
+        prefill no longer holds whenever ``(n - W + 1)`` is a multiple of the block size, and
+        which would advance a loaded state by that token a second time."""
         if self._partial_groups and remote.prefill_tokens(num_prompt_tokens) >= num_prompt_tokens:
             raise InvalidTransferParams(
-                "this model has sliding-window or state layers, and the request's prompt is "
-                "prefill's whole prompt: vLLM would recompute its last token over a dropped "
-                "window or an already advanced state; only requests continued from prefill's "
-                "token (vam-proxy's default route) are pulled"
+                "this model has sliding-window or state layers, and prefill computed the whole "
+                "prompt (a prefill without remote_prompt_prefix, e.g. of another connector or "
+                "release): vLLM would recompute its last token over a dropped window or an "
+                "already advanced state"
             )
 
     def _compute_unpairable(self, request: Request, remote: RemotePrefill) -> bool:
