@@ -1,13 +1,16 @@
-"""Prefill side: a held transfer's record, and which decode ranks read it.
+"""Prefill side: the holds table, a held transfer's record, and which decode ranks read it.
 
 A transfer this rank holds is a :class:`Hold`: its readers left, its deadline and bound, its
-leases and the decode TP reading it. Which decode ranks read it depends on that TP, bound by the
-first claim or notice that names one (:class:`ReaderTopologies`). Neither locks:
-:class:`~.sender.SendTracker`'s lock guards them.
+leases and the decode TP reading it. The transfers held, by transfer id, are a
+:class:`HoldTable`, which starts each hold with its deadline and bound, renews it within that
+bound and takes out the ones that end. Which decode ranks read a transfer depends on the decode
+TP, bound by the first claim or notice that names one (:class:`ReaderTopologies`). None of them
+locks: :class:`~.sender.SendTracker`'s lock guards them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
@@ -30,6 +33,79 @@ class Hold:
     lessees: dict[int, str] = field(default_factory=dict)
     #: the TP size of the decode instance reading it, once a claim or notice named it
     decode_tp: int | None = None
+
+
+#: However often a transfer is claimed, its blocks are held at most this many release timeouts
+#: in all: a reader that keeps renewing its lease cannot pin prefill memory for ever.
+MAX_HOLD_TIMEOUTS = 4
+
+
+class HoldTable:
+    """The transfers this rank holds, by transfer id (guarded by the tracker's lock).
+
+    Each is held one release timeout (``timeout_s``) from when it was held or last renewed, and
+    never past :data:`MAX_HOLD_TIMEOUTS` release timeouts in all."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._holds: dict[str, Hold] = {}
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._holds
+
+    def get(self, transfer_id: str) -> Hold | None:
+        return self._holds.get(transfer_id)
+
+    def start(self, transfer_id: str, hold: Hold, now: float) -> None:
+        """Hold ``transfer_id`` from ``now``: one release timeout, at most the bound in all."""
+        hold.deadline = now + self.timeout_s
+        hold.hold_ends = now + MAX_HOLD_TIMEOUTS * self.timeout_s
+        self._holds[transfer_id] = hold
+
+    def renew(self, held: Hold, now: float) -> str | None:
+        """Hold ``held`` another release timeout from ``now``, never past its bound; the
+        reason to refuse when its bound has passed."""
+        held.deadline = min(max(held.deadline, now + self.timeout_s), held.hold_ends)
+        if held.deadline <= now:
+            return (
+                f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the longest any "
+                f"transfer is held"
+            )
+        return None
+
+    def pop(self, transfer_id: str) -> Hold:
+        return self._holds.pop(transfer_id)
+
+    def take(self, leased: bool | None = None) -> list[tuple[str, Hold]]:
+        """Take out every hold (only those somebody has a lease on, or nobody has, if
+        ``leased`` says so), in the order they were held."""
+        taken = [
+            (transfer_id, held)
+            for transfer_id, held in self._holds.items()
+            if leased is None or bool(held.lessees) == leased
+        ]
+        for transfer_id, _ in taken:
+            del self._holds[transfer_id]
+        return taken
+
+    def take_overdue(self, now: float) -> list[tuple[str, Hold]]:
+        """Take out the holds whose deadline has passed, in the order they were held."""
+        taken = [(tid, held) for tid, held in self._holds.items() if held.deadline <= now]
+        for transfer_id, _ in taken:
+            del self._holds[transfer_id]
+        return taken
+
+    def soonest_deadline(self) -> float:
+        return min(held.deadline for held in self._holds.values())
+
+    def latest_deadline(self) -> float:
+        return max(held.deadline for held in self._holds.values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._holds)
 
 
 class ReaderTopologies:

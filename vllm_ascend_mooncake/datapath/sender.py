@@ -1,10 +1,11 @@
 """Prefill side: hold each request's blocks until every decode rank that reads them is done.
 
-This module is the state (holds, leases, releases) and every method that changes it, under one
-lock; a held transfer's record (:class:`~.holds.Hold`) and which decode ranks read it, per decode
-TP (:class:`~.holds.ReaderTopologies`), are in :mod:`.holds`. The side-channel service that
-answers decode workers and routers with this state is :mod:`.prefill_service` (its table lists
-each message, the method answering it and its thread).
+This module is :class:`SendTracker`, the coordinator of the state (holds, leases, releases) under
+one lock; its docstring's table lists the parts that state is in and which thread changes each:
+the holds table and a held transfer's record, per decode TP (:mod:`.holds`), what is remembered
+about transfers not held (:mod:`.remembered`) and the requests vLLM may free (:mod:`.finished`).
+The side-channel service that answers decode workers and routers with this state is
+:mod:`.prefill_service` (its table lists each message, the method answering it and its thread).
 
 The topology tells this rank which decode ranks will read it for a request (possibly none: then the
 request is finished at once). Decode ranks claim a lease before reading; a lease keeps a busy but
@@ -47,13 +48,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from ..core.topology import TransferTopology
 from ..log import get_logger
-from .holds import Hold, ReaderTopologies
+from .finished import FinishedRequests
+from .holds import MAX_HOLD_TIMEOUTS, Hold, HoldTable, ReaderTopologies
 from .prefill_service import MAX_CLAIM_PARK_S, PrefillSender
+from .remembered import EarlyNotices, ReleasedIds
 from .wire import ClaimReply
 
 __all__ = ["MAX_CLAIM_PARK_S", "MAX_HOLD_TIMEOUTS", "PrefillSender", "SendTracker"]
@@ -63,9 +65,6 @@ logger = get_logger(__name__)
 # Early read-done notifications and released ids are remembered this many timeouts long; a
 # hostile peer can therefore grow them only at its own message rate, for a bounded time.
 MEMORY_TIMEOUTS = 2
-#: However often a transfer is claimed, its blocks are held at most this many release timeouts
-#: in all: a reader that keeps renewing its lease cannot pin prefill memory for ever.
-MAX_HOLD_TIMEOUTS = 4
 #: Read-done notices for requests this rank does not hold yet that are remembered at most: a
 #: flood of notices for made-up ids cannot grow memory past this (the rest are ignored).
 MAX_EARLY_NOTICES = 1 << 16
@@ -75,8 +74,80 @@ _EXPIRED = "its release timeout passed before every decode rank had read it"
 _ASLEEP = "released for vLLM's sleep mode"
 
 
+class SleepMode:
+    """Whether vLLM's sleep mode has the KV cache, and what a claim is told meanwhile."""
+
+    def __init__(self) -> None:
+        #: why claims are refused while vLLM's sleep mode has the KV cache (None: awake)
+        self.reason: str | None = None
+
+    @property
+    def asleep(self) -> bool:
+        return self.reason is not None
+
+    def refusal(self) -> ClaimReply | None:
+        """The answer to a claim or renewal while asleep; None when awake."""
+        return None if self.reason is None else ClaimReply("refused", reason=self.reason)
+
+
 class SendTracker:
-    """Thread-safe bookkeeping of requests whose blocks this prefill rank holds."""
+    """Thread-safe bookkeeping of requests whose blocks this prefill rank holds.
+
+    The coordinator of a few parts, each owning its data and the methods that change it:
+
+    ========  ======================================  ==========================================
+    part      code                                    owns
+    ========  ======================================  ==========================================
+    holds     :class:`~.holds.HoldTable`              each held transfer (:class:`~.holds.Hold`):
+                                                      readers left, deadline and bound, leases
+    readers   :class:`~.holds.ReaderTopologies`       which decode ranks read a transfer, per
+                                                      decode TP
+    early     :class:`~.remembered.EarlyNotices`      read-done notices for transfers not held
+                                                      yet (a bounded number, a bounded time)
+    released  :class:`~.remembered.ReleasedIds`       transfers released or dropped and why (a
+                                                      bounded time): what a late claim is told
+    finished  :class:`~.finished.FinishedRequests`    requests vLLM may free; releases by timeout
+    sleep     :class:`SleepMode`                      why claims are refused while vLLM sleeps
+    ========  ======================================  ==========================================
+
+    Its methods, the thread each runs on, and the parts each changes:
+
+    ======================  ==========================  ========================================
+    method                  runs on                     changes
+    ======================  ==========================  ========================================
+    ``hold``, ``drop``      vLLM's worker thread        holds, early, released, finished
+    ``take_finished``       vLLM's worker thread        holds, early and released (expiry),
+                                                        finished
+    ``wait_for_news``,      vLLM's worker thread        (reads holds and finished)
+    ``take_expired_count``
+    ``suspend``,            vLLM's worker thread (at    sleep, holds, finished, released
+    ``resume``              sleep and wake-up)
+    ``claim``, ``keep``     the side channel's thread   holds (leases, deadlines), released,
+                                                        finished
+    ``drop_unread``         the side channel's thread   holds, early, released, finished
+    ``dropped``             the side channel's thread   (reads released)
+    ``read_done``           the side channel's thread   holds, early, finished, released
+                            (the notice receiver)
+    ``leased_blocks``       the side channel's pool     (reads holds)
+    ======================  ==========================  ========================================
+
+    Every part is guarded by one lock, ``_lock`` (``_news``, a condition on it, says a request
+    may be finished or a lease ended). The parts do not lock; one lock is what keeps these
+    decisions atomic across parts:
+
+    * a read-done notice that finds no hold is remembered as early, and a hold takes the early
+      notices as it starts: with a lock per part, a notice could land between the two and be
+      lost (the hold would then wait out its deadline for a reader that was done);
+    * a release ends the hold, remembers the id as released and reports the request finished
+      in one step: a claim never sees a transfer neither held nor released (it would be told
+      "pending" for blocks already freed), nor one both finished and held;
+    * a claim checks sleep mode and then leases a hold; suspending releases the unleased holds
+      and waits for the leased ones: a claim cannot lease a hold that sleep is releasing;
+    * ``wait_for_news`` and ``suspend`` wait on ``_news`` with the holds and the finished
+      requests in one view, so no wake-up between the check and the wait is missed.
+
+    Each method takes the lock briefly (``suspend`` waits on the condition, which releases it).
+    """
 
     def __init__(
         self,
@@ -91,27 +162,31 @@ class SendTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # a request may be finished now
-        self._held: dict[str, Hold] = {}
-        # transfer id -> (decode ranks that sent a notice, forget after, their decode TP or -1)
-        # Both remember entries in the order they were added, which is their order of expiry
-        # (each is forgotten a fixed time after it was added): expiring looks at the oldest only.
-        self._early: OrderedDict[str, tuple[set[int], float, int]] = OrderedDict()
-        # transfer id -> (vLLM request id, forget after, why it went: what a late claim is told);
-        # "" for a dropped request
-        self._released: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
-        self._finished: set[str] = set()
-        self.num_expired = 0
-        self._expired_reported = 0
-        self.num_ignored_notices = 0
+        remember_s = MEMORY_TIMEOUTS * release_timeout_s
+        self._holds = HoldTable(release_timeout_s)
+        self._early_notices = EarlyNotices(remember_s, MAX_EARLY_NOTICES)
+        self._released_ids = ReleasedIds(remember_s)
+        self._finished = FinishedRequests(self._news)
+        self._sleep = SleepMode()
         #: Called (outside the lock) after a hold or a drop of a transfer (its id), or with None
         #: when every parked claim may be answered differently, so parked claims are answered.
         self.on_change: Callable[[str | None], None] | None = None
-        #: why claims are refused while vLLM's sleep mode has the KV cache (None: awake)
-        self._suspended: str | None = None
 
     @property
     def lease_s(self) -> float:
         return self._timeout
+
+    @property
+    def num_expired(self) -> int:
+        """Releases by timeout in all."""
+        return self._finished.num_expired
+
+    @property
+    def num_ignored_notices(self) -> int:
+        """Read-done notices ignored because too many for transfers not held were remembered."""
+        return self._early_notices.num_ignored
+
+    # -- vLLM's worker thread ------------------------------------------------------------------
 
     def hold(
         self,
@@ -138,11 +213,12 @@ class SendTracker:
     ) -> None:
         request_id = transfer_id if request_id is None else request_id
         with self._lock:
-            held = self._held.get(transfer_id)
+            held = self._holds.get(transfer_id)
             owner = held.request_id if held is not None else None
-            if transfer_id in self._released:
-                owner, _, why = self._released[transfer_id]
+            if transfer_id in self._released_ids:
+                owner = self._released_ids.owner(transfer_id)
                 if not owner:  # dropped before vLLM finished it: nobody will read it
+                    why = self._released_ids.why(transfer_id) or ""
                     logger.debug("request %s is not held: %s", request_id, why)
                     self._release(transfer_id, request_id, why)
                     return
@@ -156,39 +232,104 @@ class SendTracker:
                         transfer_id,
                     )
                     self._finished.add(request_id)
-                    self._news.notify_all()
                 return
-            if self._suspended is not None:  # its bytes are about to be discarded
+            if self._sleep.asleep:  # its bytes are about to be discarded
                 self._release(transfer_id, request_id, _ASLEEP)
                 return
-            early, _, early_tp = self._early.pop(transfer_id, (set(), 0.0, -1))
+            early, early_tp = self._early_notices.take(transfer_id)
             topology = self._readers.for_tp(early_tp) or self._topology
             readers = self._readers.readers(topology, transfer_id) - early
             if not readers:
                 self._release(transfer_id, request_id, "every decode rank that reads it was done")
                 return
-            now = self._clock()
-            self._held[transfer_id] = Hold(
+            hold = Hold(
                 request_id,
                 readers,
-                now + self._timeout,
+                0.0,  # the table sets the deadline and bound
                 block_ids,
                 num_prompt_tokens,
                 group_sizes=tuple(group_sizes),
-                hold_ends=now + MAX_HOLD_TIMEOUTS * self._timeout,
                 decode_tp=topology.decode_tp if early_tp >= 0 else None,
             )
+            self._holds.start(transfer_id, hold, self._clock())
 
     def drop(self, transfer_id: str) -> None:
         """Prefill ended without a hand-off: refuse claims now (nothing is held to free)."""
         with self._lock:
-            if transfer_id not in self._held:
-                self._early.pop(transfer_id, None)
-                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
+            if transfer_id not in self._holds:
+                self._early_notices.forget(transfer_id)
                 why = "prefill failed or was aborted: it ended without a hand-off"
-                self._released.setdefault(transfer_id, ("", forget, why))
+                self._released_ids.drop(transfer_id, why, self._clock())
         if self.on_change is not None:
             self.on_change(transfer_id)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks can be freed now; expires overdue ones first."""
+        now = self._clock()
+        with self._lock:
+            for transfer_id, held in self._holds.take_overdue(now):
+                self._release(transfer_id, held.request_id, _EXPIRED, expired=True)
+                logger.warning(
+                    "released KV blocks of request %s after its deadline: decode rank(s) %s "
+                    "never finished reading",
+                    held.request_id,
+                    sorted(held.readers_left),
+                )
+            self._early_notices.expire(now)
+            self._released_ids.expire(now)
+            return self._finished.take()
+
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` while blocks are held and none can be freed yet (or until
+        the soonest deadline), so an engine that only holds blocks for readers does not spin."""
+        with self._news:
+            if not self._holds or self._finished:
+                return
+            soonest = self._holds.soonest_deadline()
+            self._news.wait(max(0.0, min(timeout_s, soonest - self._clock())))
+
+    def take_expired_count(self) -> int:
+        """Releases by timeout since the last call (for stats)."""
+        with self._lock:
+            return self._finished.take_expired_count()
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """Stop serving before the KV cache is discarded: refuse claims with ``reason``, release
+        every hold nobody has a lease on, and wait (up to ``timeout_s``, and never past a lease's
+        end) for the granted leases to end; whatever is still held then is released too."""
+        give_up = self._clock() + timeout_s
+        with self._lock:
+            self._sleep.reason = reason
+            for transfer_id, held in self._holds.take(leased=False):
+                self._release(transfer_id, held.request_id, _ASLEEP)
+            while self._holds:
+                now = self._clock()
+                until = min(give_up, self._holds.latest_deadline())
+                if now >= until:
+                    break
+                self._news.wait(until - now)
+            for transfer_id, held in self._holds.take():
+                self._release(transfer_id, held.request_id, _ASLEEP)
+                logger.warning(
+                    "released KV blocks of request %s for sleep while decode rank(s) %s still "
+                    "held a lease",
+                    held.request_id,
+                    sorted(held.readers_left),
+                )
+        if self.on_change is not None:
+            self.on_change(None)  # every parked claim is answered (refused) now
+
+    def resume(self) -> None:
+        """Serve claims again (after vLLM's wake-up)."""
+        with self._lock:
+            self._sleep.reason = None
+
+    # -- the side channel's thread -------------------------------------------------------------
 
     def claim(
         self,
@@ -206,12 +347,13 @@ class SendTracker:
         once, since the readers this rank waits for will never all come."""
         now = self._clock()
         with self._lock:
-            if self._suspended is not None:
-                return ClaimReply("refused", reason=self._suspended)
-            held = self._held.get(transfer_id)
+            asleep = self._sleep.refusal()
+            if asleep is not None:
+                return asleep
+            held = self._holds.get(transfer_id)
             if held is None:
-                if transfer_id in self._released:
-                    why = self._released[transfer_id][2]
+                why = self._released_ids.why(transfer_id)
+                if why is not None:
                     # the router freed it as its client left: decode's request is being aborted
                     status = "dropped" if why == _DROPPED else "refused"
                     return ClaimReply(status, reason=f"its blocks were already released: {why}")
@@ -223,7 +365,7 @@ class SendTracker:
             refusal = self._readers.bind(held, transfer_id, decode_tp)
             if refusal is not None:
                 if held.decode_tp is None:  # nobody else reads it: free it now
-                    del self._held[transfer_id]
+                    self._holds.pop(transfer_id)
                     self._release(transfer_id, held.request_id, refusal)
                 return ClaimReply("refused", reason=refusal)
             if decode_rank not in held.readers_left:
@@ -235,13 +377,9 @@ class SendTracker:
                     reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
                     f"decode request has {num_prompt_tokens}: the prompts differ",
                 )
-            held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
-            if held.deadline <= now:
-                return ClaimReply(
-                    "refused",
-                    reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
-                    f"longest any transfer is held",
-                )
+            refusal = self._holds.renew(held, now)
+            if refusal is not None:
+                return ClaimReply("refused", reason=refusal)
             if reader:
                 held.lessees[decode_rank] = reader
             return ClaimReply(
@@ -258,7 +396,7 @@ class SendTracker:
         """The blocks ``reader`` holds ``decode_rank``'s lease of ``transfer_id`` on, or why it
         holds none (what :mod:`.verify` lets a reader ask about)."""
         with self._lock:
-            held = self._held.get(transfer_id)
+            held = self._holds.get(transfer_id)
             if held is None:
                 return f"transfer {transfer_id} is not held here"
             if not reader or held.lessees.get(decode_rank) != reader:
@@ -270,28 +408,24 @@ class SendTracker:
         (:data:`MAX_HOLD_TIMEOUTS`): a router's renewal while its decode request is queued."""
         now = self._clock()
         with self._lock:
-            if self._suspended is not None:
-                return ClaimReply("refused", reason=self._suspended)
-            held = self._held.get(transfer_id)
+            asleep = self._sleep.refusal()
+            if asleep is not None:
+                return asleep
+            held = self._holds.get(transfer_id)
             if held is None:
-                if transfer_id in self._released:
-                    why = self._released[transfer_id][2]
+                why = self._released_ids.why(transfer_id)
+                if why is not None:
                     return ClaimReply("refused", reason=f"it was read or released already: {why}")
                 return ClaimReply("pending", reason="prefill does not hold it (yet)")
-            held.deadline = min(max(held.deadline, now + self._timeout), held.hold_ends)
-            if held.deadline <= now:
-                return ClaimReply(
-                    "refused",
-                    reason=f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the "
-                    f"longest any transfer is held",
-                )
+            refusal = self._holds.renew(held, now)
+            if refusal is not None:
+                return ClaimReply("refused", reason=refusal)
             return ClaimReply("held", lease_s=held.deadline - now)
 
     def dropped(self, transfer_id: str) -> bool:
         """Whether a router freed ``transfer_id`` because its client left (:meth:`drop_unread`)."""
         with self._lock:
-            released = self._released.get(transfer_id)
-        return released is not None and released[2] == _DROPPED
+            return self._released_ids.why(transfer_id) == _DROPPED
 
     def drop_unread(self, transfer_id: str) -> ClaimReply:
         """Free ``transfer_id`` now unless a decode rank leased it (a router's client left, so
@@ -300,19 +434,18 @@ class SendTracker:
         hold) is remembered as dropped, so the hold is freed the moment it comes and a claim
         is told why, instead of the blocks waiting out the release timeout."""
         with self._lock:
-            held = self._held.get(transfer_id)
+            held = self._holds.get(transfer_id)
             if held is not None and held.lessees:
                 return ClaimReply("held", reason="a decode rank holds a lease on it")
             if held is not None:
-                del self._held[transfer_id]
+                self._holds.pop(transfer_id)
                 self._release(transfer_id, held.request_id, _DROPPED)
                 reason = f"freed: {_DROPPED}"
-            elif transfer_id in self._released:
+            elif transfer_id in self._released_ids:
                 return ClaimReply("refused", reason="it is not held")
             else:
-                self._early.pop(transfer_id, None)
-                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                self._released[transfer_id] = ("", forget, _DROPPED)
+                self._early_notices.forget(transfer_id)
+                self._released_ids.drop(transfer_id, _DROPPED, self._clock())
                 reason = f"freed before it was held: {_DROPPED}"
         if self.on_change is not None:  # a claim parked for it is answered now
             self.on_change(transfer_id)
@@ -329,122 +462,48 @@ class SendTracker:
         """A decode rank is done with a transfer; False (and ignored) when that rank's lease was
         granted to another reader, or its decode TP is not the transfer's."""
         with self._lock:
-            held = self._held.get(transfer_id)
-            if held is not None and held.lessees.get(decode_rank, reader) != reader:
-                return False
-            if held is not None and self._readers.bind(held, transfer_id, decode_tp):
-                return False
+            held = self._holds.get(transfer_id)
             if held is None:
-                if transfer_id in self._released:
+                if transfer_id in self._released_ids:
                     return True
-                if transfer_id not in self._early and len(self._early) >= MAX_EARLY_NOTICES:
-                    self.num_ignored_notices += 1
-                    if self.num_ignored_notices % 1000 == 1:
-                        logger.warning(
-                            "%d read-done notices for requests this rank never held were "
-                            "ignored (more than %d pending): a misbehaving or hostile peer?",
-                            self.num_ignored_notices,
-                            MAX_EARLY_NOTICES,
-                        )
-                    return True
-                forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-                early, _, early_tp = self._early.setdefault(transfer_id, (set(), forget, decode_tp))
-                if early_tp != decode_tp:
-                    return False  # two decode TPs claim to read it: keep the first
-                early.add(decode_rank)
-                return True
+                return self._early_notices.note(transfer_id, decode_rank, decode_tp, self._clock())
+            if held.lessees.get(decode_rank, reader) != reader:
+                return False
+            if self._readers.bind(held, transfer_id, decode_tp):
+                return False
             held.readers_left.discard(decode_rank)
             if not success:
                 held.failed_readers.add(decode_rank)
             if not held.readers_left:
-                del self._held[transfer_id]
+                self._holds.pop(transfer_id)
                 why = "every decode rank that reads it was done (read it, or gave up)"
                 self._release(transfer_id, held.request_id, why)
-            elif self._suspended is not None:
+            elif self._sleep.asleep:
                 self._news.notify_all()  # suspend waits for leases to end
         return True
 
-    def _release(self, transfer_id: str, request_id: str, why: str) -> None:
-        """Report the request finished (caller holds the lock) and refuse later claims, telling
-        them ``why``."""
-        self._finished.add(request_id)
-        self._news.notify_all()
-        self._released.pop(transfer_id, None)  # re-added at the end: the order stays expiry order
-        forget = self._clock() + MEMORY_TIMEOUTS * self._timeout
-        self._released[transfer_id] = (request_id, forget, why)
+    # -- with the lock held --------------------------------------------------------------------
 
-    def suspend(self, reason: str, timeout_s: float) -> None:
-        """Stop serving before the KV cache is discarded: refuse claims with ``reason``, release
-        every hold nobody has a lease on, and wait (up to ``timeout_s``, and never past a lease's
-        end) for the granted leases to end; whatever is still held then is released too."""
-        give_up = self._clock() + timeout_s
-        with self._lock:
-            self._suspended = reason
-            for transfer_id, held in list(self._held.items()):
-                if not held.lessees:
-                    del self._held[transfer_id]
-                    self._release(transfer_id, held.request_id, _ASLEEP)
-            while self._held:
-                now = self._clock()
-                until = min(give_up, max(held.deadline for held in self._held.values()))
-                if now >= until:
-                    break
-                self._news.wait(until - now)
-            for transfer_id, held in list(self._held.items()):
-                del self._held[transfer_id]
-                self._release(transfer_id, held.request_id, _ASLEEP)
-                logger.warning(
-                    "released KV blocks of request %s for sleep while decode rank(s) %s still "
-                    "held a lease",
-                    held.request_id,
-                    sorted(held.readers_left),
-                )
-        if self.on_change is not None:
-            self.on_change(None)  # every parked claim is answered (refused) now
+    def _release(self, transfer_id: str, request_id: str, why: str, expired: bool = False) -> None:
+        """Report the request finished (caller holds the lock, and took its hold out) and refuse
+        later claims, telling them ``why``."""
+        self._finished.add(request_id, expired=expired)
+        self._released_ids.release(transfer_id, request_id, why, self._clock())
 
-    def resume(self) -> None:
-        """Serve claims again (after vLLM's wake-up)."""
-        with self._lock:
-            self._suspended = None
-
-    def take_finished(self) -> set[str]:
-        """Requests whose blocks can be freed now; expires overdue ones first."""
-        now = self._clock()
-        with self._lock:
-            for transfer_id, held in list(self._held.items()):
-                if held.deadline <= now:
-                    del self._held[transfer_id]
-                    self._release(transfer_id, held.request_id, _EXPIRED)
-                    self.num_expired += 1
-                    logger.warning(
-                        "released KV blocks of request %s after its deadline: decode rank(s) %s "
-                        "never finished reading",
-                        held.request_id,
-                        sorted(held.readers_left),
-                    )
-            for memory in (self._early, self._released):
-                while memory and next(iter(memory.values()))[1] <= now:  # (..., forget after, ...)
-                    memory.popitem(last=False)
-            finished, self._finished = self._finished, set()
-        return finished
-
-    def wait_for_news(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` while blocks are held and none can be freed yet (or until
-        the soonest deadline), so an engine that only holds blocks for readers does not spin."""
-        with self._news:
-            if not self._held or self._finished:
-                return
-            soonest = min(held.deadline for held in self._held.values())
-            self._news.wait(max(0.0, min(timeout_s, soonest - self._clock())))
-
-    def take_expired_count(self) -> int:
-        """Releases by timeout since the last call (for stats)."""
-        with self._lock:
-            count = self.num_expired - self._expired_reported
-            self._expired_reported = self.num_expired
-        return count
+    # -- for tests until they use the parts' interfaces ----------------------------------------
 
     @property
-    def num_held(self) -> int:
-        with self._lock:
-            return len(self._held)
+    def _held(self) -> HoldTable:
+        return self._holds
+
+    @property
+    def _early(self):
+        return self._early_notices._entries
+
+    @property
+    def _released(self):
+        return self._released_ids._entries
+
+    @_released.setter
+    def _released(self, entries) -> None:
+        self._released_ids._entries = entries
