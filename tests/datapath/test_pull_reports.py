@@ -1,13 +1,15 @@
-"""What the decode side reports to vLLM, without threads or peers: ``PullReports`` alone.
+"""What the decode side reports to vLLM: ``PullReports`` alone, then end to end.
 
-The receiver's tests (``test_receiver.py``) check the same rules end to end; these pin each
-method's effect on the state vLLM waits on.
+The first tests, without threads or peers, pin each method's effect on the state vLLM waits on;
+the last ones check the same rules end to end on the in-process cluster
+(``receiver_cluster.py``), as the receiver's tests (``test_receiver.py``) do.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from vllm_ascend_mooncake.datapath.failures import FailureKind, PullCancelled, PullError
@@ -75,3 +77,33 @@ def test_stats_are_taken_once() -> None:
     reports.record_stats(stats)
     assert reports.take_stats() == [stats]
     assert reports.take_stats() == []
+
+
+# -- end to end, on the in-process cluster ----------------------------------------------------
+
+
+def test_a_release_only_pull_frees_prefill_and_is_never_reported(cluster) -> None:
+    c = cluster(4, prefill_tp=2, decode_tp=1)
+    (decode,) = c.decode
+    c.pull("r1", [], [3, 4])
+    assert all(c.freed(p, "r1") for p in c.prefill)
+    assert all(p.notices == [("t-r1", 0, True)] for p in c.prefill)
+    time.sleep(0.1)
+    assert decode.receiver.take_finished() == (set(), {})
+    assert decode.transport.num_reads == 0
+    assert np.array_equal(decode.cache.bytes, decode.snapshot)
+
+
+def test_a_pull_cancelled_before_its_grant_is_reported_cancelled(cluster) -> None:
+    c = cluster(4, prefill_tp=1, decode_tp=1)
+    (decode,) = c.decode
+    decode.receiver.submit(c.order("r1", [1, 2], [3, 4], early=True))
+    time.sleep(0.1)  # its claim waits: prefill never holds it
+    started = time.monotonic()
+    decode.receiver.cancel("r1")
+    decode.wait(["r1"], timeout_s=2.0)
+    assert time.monotonic() - started < 1.0  # the cancel, not prefill_wait_s, ended it
+    failure = decode.failed["r1"]
+    assert failure.cancelled and failure.local_block_ids == (1, 2)
+    assert decode.transport.num_reads == 0
+    assert np.array_equal(decode.cache.bytes, decode.snapshot)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 
 from vllm_ascend_mooncake.core.topology import TransferTopology, request_seed
 from vllm_ascend_mooncake.datapath import sender
+from vllm_ascend_mooncake.datapath.remembered import ReleasedIds
 from vllm_ascend_mooncake.datapath.sender import MAX_HOLD_TIMEOUTS, SendTracker
 
 
@@ -86,22 +89,16 @@ def test_memory_of_released_and_early_ids_is_bounded_in_time() -> None:
     assert t.take_finished() == {"r"}
     clock.now = 10.0
     t.take_finished()
-    assert t._early == {} and t._released == {}
+    assert t.num_remembered == 0
 
 
 def test_remembered_ids_are_forgotten_oldest_first_without_a_scan_per_step() -> None:
     """Prefill rescanned every remembered id each engine step under the tracker lock (#27 row 8):
     at 200 requests/s, 48,000 ids. They expire in the order they were added, so only the oldest
     are looked at."""
-    t, clock, _ = tracker(timeout=1.0)  # remembered MEMORY_TIMEOUTS x 1 s
-    for i in range(1000):
-        clock.now = i * 0.001
-        t.drop(f"old-{i}")
-    t.drop("old-0")  # already remembered: keeps its place
     visits = []  # one entry per remembered id looked at
-    released = t._released
 
-    class Visited(type(released)):
+    class Visited(OrderedDict):
         def _count(self, entries):
             for entry in entries:
                 visits.append(entry)
@@ -116,14 +113,32 @@ def test_remembered_ids_are_forgotten_oldest_first_without_a_scan_per_step() -> 
         def values(self):
             return self._count(super().values())
 
-    t._released = Visited(released)
-    clock.now = 2.0005  # old-0 (forget at 2.0) has expired; old-1 (2.001) not yet
-    t.take_finished()
-    assert "old-0" not in t._released and "old-1" in t._released
+    # as the tracker remembers them: MEMORY_TIMEOUTS x a 1 s release timeout
+    released = ReleasedIds(sender.MEMORY_TIMEOUTS * 1.0, entries=Visited())
+    for i in range(1000):
+        released.drop(f"old-{i}", "dropped", now=i * 0.001)
+    released.drop("old-0", "dropped", now=1.0)  # already remembered: keeps its place
+    visits.clear()
+    released.expire(2.0005)  # old-0 (forget at 2.0) has expired; old-1 (2.001) not yet
+    assert "old-0" not in released and "old-1" in released
     assert len(visits) <= 3  # looked at the oldest entries, not at all 1,000
-    clock.now = 2.9985  # old-998 forgotten at 2.998, old-999 at 2.999
+    released.expire(2.9985)  # old-998 forgotten at 2.998, old-999 at 2.999
+    assert list(released) == ["old-999"]
+
+
+def test_a_tracker_forgets_remembered_ids_as_vllm_steps() -> None:
+    t, clock, _ = tracker(timeout=1.0)  # remembered MEMORY_TIMEOUTS x 1 s
+    for i in range(10):
+        clock.now = i * 0.1
+        t.drop(f"old-{i}")
+    t.read_done("early", 0, True)
+    assert t.num_remembered == 11
+    clock.now = 2.05  # old-0 (forget at 2.0) has expired; old-1 (2.1) not yet
     t.take_finished()
-    assert set(t._released) == {"old-999"}
+    assert t.num_remembered == 10
+    clock.now = 3.0
+    t.take_finished()
+    assert t.num_remembered == 0
 
 
 def test_a_claim_before_prefill_is_done_waits_then_gets_the_block_ids() -> None:

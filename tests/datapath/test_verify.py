@@ -1,6 +1,6 @@
 """The integrity check's pieces: the checksum against a plain-Python definition, and what prefill
 agrees to checksum (the lessee only, the transfer's blocks only). The check end to end, with
-bytes corrupted in flight, is in test_receiver.py."""
+bytes corrupted in flight, is in test_peer_reads.py."""
 
 from __future__ import annotations
 

@@ -298,6 +298,18 @@ class SendTracker:
         with self._lock:
             return len(self._holds)
 
+    def is_held(self, transfer_id: str) -> bool:
+        """Whether this rank holds ``transfer_id``'s blocks now."""
+        with self._lock:
+            return transfer_id in self._holds
+
+    @property
+    def num_remembered(self) -> int:
+        """Ids remembered for transfers not held: early notices' and released ones (each
+        forgotten ``MEMORY_TIMEOUTS`` release timeouts after it was added)."""
+        with self._lock:
+            return len(self._early_notices) + len(self._released_ids)
+
     def suspend(self, reason: str, timeout_s: float) -> None:
         """Stop serving before the KV cache is discarded: refuse claims with ``reason``, release
         every hold nobody has a lease on, and wait (up to ``timeout_s``, and never past a lease's
@@ -489,21 +501,3 @@ class SendTracker:
         later claims, telling them ``why``."""
         self._finished.add(request_id, expired=expired)
         self._released_ids.release(transfer_id, request_id, why, self._clock())
-
-    # -- for tests until they use the parts' interfaces ----------------------------------------
-
-    @property
-    def _held(self) -> HoldTable:
-        return self._holds
-
-    @property
-    def _early(self):
-        return self._early_notices._entries
-
-    @property
-    def _released(self):
-        return self._released_ids._entries
-
-    @_released.setter
-    def _released(self, entries) -> None:
-        self._released_ids._entries = entries
