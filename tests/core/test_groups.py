@@ -10,6 +10,7 @@ import pytest
 from vllm_ascend_mooncake.core.groups import (
     GroupKind,
     GroupSpec,
+    block_groups,
     flatten_groups,
     split_groups,
 )
@@ -61,6 +62,19 @@ def test_blocks_travel_flat_with_their_groups_sizes() -> None:
     assert split_groups((1, 2), ()) == [(1, 2)]
     with pytest.raises(ValueError):
         split_groups((1, 2, 3), (2, 2))
+
+
+def test_a_sides_blocks_split_into_as_many_groups_as_the_kv_cache_has() -> None:
+    assert block_groups((7, 8, 1, 2, 3), (2, 3), 2) == [(7, 8), (1, 2, 3)]
+    assert block_groups((1, 2), (), 1) == [(1, 2)]
+    assert block_groups((), (), 3) == [(), (), ()]  # none at all: every group empty
+    assert block_groups((), (0, 0), 2) == [(), ()]
+    with pytest.raises(ValueError, match="do not split"):
+        block_groups((1, 2, 3), (2, 2), 2)
+    with pytest.raises(ValueError, match=r"come in 1 KV cache group\(s\), .* has 2"):
+        block_groups((1, 2), (), 2)
+    with pytest.raises(ValueError, match="come in 2 KV cache group"):
+        block_groups((1, 2), (1, 1), 1)
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,23 @@ def split_groups(block_ids: Sequence[int], sizes: Sequence[int]) -> list[tuple[i
     return groups
 
 
+def block_groups(
+    block_ids: Sequence[int], sizes: Sequence[int], groups: int
+) -> list[tuple[int, ...]]:
+    """A side's block ids per KV cache group, for a KV cache of ``groups`` groups (no ids and no
+    sizes at all: every group empty); ValueError when they do not split into that many."""
+    if not block_ids and not sizes:
+        return [()] * groups
+    split = split_groups(block_ids, sizes)
+    if len(split) != groups:
+        raise ValueError(
+            f"the request's blocks come in {len(split)} KV cache group(s), this decode "
+            f"worker's KV cache has {groups}: the two instances do not run the same model "
+            f"(or not both with vLLM's hybrid KV cache manager)"
+        )
+    return split
+
+
 def flatten_groups(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The flat block ids and group sizes of per-group lists (one group: no sizes)."""
     ids = tuple(b for group in groups for b in group)

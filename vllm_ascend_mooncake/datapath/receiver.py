@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..core.groups import split_groups
+from ..core.groups import block_groups
 from ..core.layout import Region
 from ..core.plan import (
     PeerPlan,
@@ -492,8 +492,11 @@ class Receiver:
         """Plan the request's reads (in a staging area if it needs one) and queue them on
         each peer's lane."""
         groups = max((*self._region_groups, *(s.group for s in self._state_groups)), default=0) + 1
-        local_groups = self._block_groups(pull.local_block_ids, pull.local_group_sizes, groups)
-        remote_groups = self._block_groups(*(remote or ((), ())), groups)
+        try:  # blocks that do not split into this worker's groups: a grant mismatch
+            local_groups = block_groups(pull.local_block_ids, pull.local_group_sizes, groups)
+            remote_groups = block_groups(*(remote or ((), ())), groups)
+        except ValueError as exc:
+            raise PullError(FailureKind.GRANT_MISMATCH, str(exc)) from exc
         staging = None
         if pull.local_block_ids and request_needs_staging(
             self._local_regions, lookup.remote_tables, lookup.pulls
@@ -543,26 +546,6 @@ class Receiver:
                 self._lane(peers[peer_plan.prefill_rank].transport_session).push((state, peer_plan))
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
-
-    @staticmethod
-    def _block_groups(
-        block_ids: Sequence[int], sizes: Sequence[int], groups: int
-    ) -> list[tuple[int, ...]]:
-        """A side's blocks per KV cache group (none at all: every group empty)."""
-        if not block_ids and not sizes:
-            return [()] * groups
-        try:
-            split = split_groups(block_ids, sizes)
-        except ValueError as exc:
-            raise PullError(FailureKind.GRANT_MISMATCH, str(exc)) from exc
-        if len(split) != groups:
-            raise PullError(
-                FailureKind.GRANT_MISMATCH,
-                f"the request's blocks come in {len(split)} KV cache group(s), this decode "
-                f"worker's KV cache has {groups}: the two instances do not run the same model "
-                f"(or not both with vLLM's hybrid KV cache manager)",
-            )
-        return split
 
     def _lane(self, session: str) -> FifoLane:
         with self._lanes_lock:
