@@ -122,8 +122,10 @@ class SendTracker:
     ``take_expired_count``
     ``suspend``,            vLLM's worker thread (at    sleep, holds, finished, released
     ``resume``              sleep and wake-up)
-    ``claim``, ``keep``     the side channel's thread   holds (leases, deadlines), released,
-                                                        finished
+    ``claim``               the side channel's thread   holds (leases, deadlines; one freed if
+                                                        its reader's TP cannot be served),
+                                                        released, finished
+    ``keep``                the side channel's thread   holds (deadlines)
     ``drop_unread``         the side channel's thread   holds, early, released, finished
     ``dropped``             the side channel's thread   (reads released)
     ``read_done``           the side channel's thread   holds, early, finished, released
