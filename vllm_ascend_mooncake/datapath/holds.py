@@ -10,7 +10,6 @@ locks: :class:`~.sender.SendTracker`'s lock guards them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
@@ -103,9 +102,6 @@ class HoldTable:
 
     def latest_deadline(self) -> float:
         return max(held.deadline for held in self._holds.values())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._holds)
 
 
 class ReaderTopologies:
