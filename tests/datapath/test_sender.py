@@ -8,7 +8,8 @@ import pytest
 
 from vllm_ascend_mooncake.core.topology import TransferTopology, request_seed
 from vllm_ascend_mooncake.datapath import sender
-from vllm_ascend_mooncake.datapath.remembered import ReleasedIds
+from vllm_ascend_mooncake.datapath.holds import Hold, HoldTable
+from vllm_ascend_mooncake.datapath.remembered import EarlyNotices, ReleasedIds
 from vllm_ascend_mooncake.datapath.sender import MAX_HOLD_TIMEOUTS, SendTracker
 
 
@@ -139,6 +140,30 @@ def test_a_tracker_forgets_remembered_ids_as_vllm_steps() -> None:
     clock.now = 3.0
     t.take_finished()
     assert t.num_remembered == 0
+
+
+def test_early_notices_keep_the_first_decode_tp_and_a_bounded_number() -> None:
+    notices = EarlyNotices(remember_s=2.0, limit=2)
+    assert notices.note("a", 0, -1, now=0.0) and notices.note("a", 1, -1, now=0.5)
+    assert notices.note("a", 2, 1, now=0.5) is False  # another decode TP: the first is kept
+    assert notices.note("b", 0, 2, now=1.0)
+    assert notices.note("c", 0, -1, now=1.0)  # past the limit: ignored, counted
+    assert notices.num_ignored == 1 and "c" not in notices
+    assert notices.take("a") == ({0, 1}, -1) and notices.take("a") == (set(), -1)
+    notices.expire(3.0)  # b (forget at 3.0) goes too
+    assert len(notices) == 0
+
+
+def test_the_hold_table_renews_a_hold_within_its_bound_and_takes_out_overdue_ones() -> None:
+    table = HoldTable(10.0)
+    held = Hold("r", {0}, 0.0)
+    table.start("t", held, now=5.0)
+    assert (held.deadline, held.hold_ends) == (15.0, 5.0 + MAX_HOLD_TIMEOUTS * 10.0)
+    assert table.renew(held, 12.0) is None and held.deadline == 22.0
+    assert table.renew(held, 44.0) is None and held.deadline == 45.0  # capped at its bound
+    assert "release timeouts already" in (table.renew(held, 45.0) or "")
+    assert table.take_overdue(44.9) == [] and "t" in table
+    assert table.take_overdue(45.0) == [("t", held)] and len(table) == 0
 
 
 def test_a_claim_before_prefill_is_done_waits_then_gets_the_block_ids() -> None:
