@@ -16,6 +16,7 @@ The bytes do not move (see :mod:`.transport`); see :mod:`.run` for the stream an
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -52,7 +53,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # the fleet's processes are closed on the way out
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     args = parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     timing = replace(

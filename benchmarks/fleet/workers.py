@@ -1,12 +1,14 @@
 """The fleet's host processes: each hosts many simulated prefill workers or decode workers.
 
-A prefill worker is the product's prefill side as the connector wires it
-(:func:`~vllm_ascend_mooncake.connector.wiring.build_prefill_side`: a ``SendTracker`` served by a
-``PrefillSender`` on its own ``SideChannelServer`` port, real ZMQ on loopback); a decode worker is
-the product's decode side (:func:`~vllm_ascend_mooncake.connector.wiring.build_decode_side`: a
+A prefill worker is the product's prefill side as ``connector.wiring.build_prefill_side`` wires
+it: a ``SendTracker`` served by a ``PrefillSender`` on its own ``SideChannelServer`` port, real ZMQ
+on loopback. A decode worker is the product's decode side as ``build_decode_side`` wires it: a
 ``Receiver`` with its claims exchange, peer lookup, peer directory, read lanes and read-done
-notifier). Both read and register through :class:`~.transport.LatencyTransport` (no bytes move).
-Every worker is its own TP-1 instance with its own engine id and incarnation.
+notifier, a ``SideChannelClient`` and rank 0's ``PairingProbes``. The wiring is repeated here step
+for step rather than called, because ``connector.wiring`` imports vLLM (through the connector's
+configuration): without it a host starts in seconds and its RSS is the data path's, not vLLM's.
+Both sides register and read through :class:`~.transport.LatencyTransport` (no bytes move). Every
+worker is its own TP-1 instance with its own engine id and incarnation.
 
 The only instrumentation is timestamps taken around the product's calls: when the simulation asks
 a tracker to hold a transfer, when the tracker releases it (its ``_release``, wrapped on the
@@ -62,35 +64,50 @@ def _topology(geometry: Geometry):
     return TransferTopology(geometry.heads, 1, 1)
 
 
-def _cache(geometry: Geometry, blocks: int, seed: int):
-    import torch
+class _Cache:
+    """A worker's KV cache as vLLM's one allocation of ``[blocks, H, N, C]`` layer views (K and V
+    fused in C): one numpy buffer, and the regions ``registration.regions_from_vllm_views``
+    describes for such views (built here directly, so that prefill processes need no torch)."""
 
-    from vam_testing.kv_caches import KVCache
+    def __init__(self, geometry: Geometry, blocks: int) -> None:
+        import numpy as np
 
-    return KVCache(
-        "vllm_token_major",
-        num_layers=geometry.layers,
-        heads=geometry.heads,
-        num_blocks=blocks,
-        block_size=geometry.block_size,
-        head_size=2 * geometry.head_size,
-        dtype=torch.float16,
-        seed=seed,
-    )
+        from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
+        from vllm_ascend_mooncake.datapath.transport import MemoryRange
+
+        head_token_bytes = 2 * geometry.head_size * 2  # K and V, float16
+        stride = geometry.heads * geometry.block_size * head_token_bytes
+        self.buffer = np.zeros(geometry.layers * blocks * stride, dtype=np.uint8)
+        base = self.buffer.ctypes.data
+        layout = RegionLayout(
+            BlockOrder.HEAD_MAJOR,
+            blocks,
+            stride,
+            geometry.heads,
+            geometry.block_size,
+            head_token_bytes,
+        )
+        self.regions = [
+            Region(f"layer.{layer}", base + layer * blocks * stride, layout)
+            for layer in range(geometry.layers)
+        ]
+        self.ranges = [MemoryRange(base, self.buffer.nbytes)]
 
 
-def _identity(geometry: Geometry, engine_id: str):
-    from vllm_ascend_mooncake.connector.wiring import WorkerIdentity
-    from vllm_ascend_mooncake.datapath.wire import ModelIdentity
+def _metadata(geometry: Geometry, engine_id: str, session: str, regions):
+    """What ``connector.wiring._metadata`` advertises for a TP-1 worker of this model."""
+    from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 
-    return WorkerIdentity(
+    return WorkerMetadata(
         engine_id=engine_id,
         incarnation=uuid.uuid4().hex,
         tp_rank=0,
         tp_size=1,
         dp_rank=0,
         dp_size=1,
-        model=ModelIdentity(
+        pp_size=1,
+        transport_session=session,
+        identity=ModelIdentity(
             "fleet",
             "float16",
             "auto",
@@ -100,30 +117,30 @@ def _identity(geometry: Geometry, engine_id: str):
             geometry.layers,
             False,
         ),
+        regions=[RegionInfo.of(r) for r in regions],
+        state_groups=[],
     )
 
 
 class _PrefillWorker:
+    """``connector.wiring.build_prefill_side``, step for step (no integrity-check memory: reads
+    are not verified here)."""
+
     def __init__(self, name: str, port: int, geometry: Geometry, timing: Timing) -> None:
-        from vllm_ascend_mooncake.connector.wiring import (
-            KVCacheMemory,
-            PrefillSettings,
-            build_prefill_side,
-        )
+        from vllm_ascend_mooncake.datapath.prefill_service import PrefillSender
+        from vllm_ascend_mooncake.datapath.sender import SendTracker
 
         from .transport import LatencyTransport
 
         self.name, self.port = name, port
-        self.cache = _cache(geometry, geometry.prefill_blocks, port)
+        self.cache = _Cache(geometry, geometry.prefill_blocks)
         self.transport = LatencyTransport(f"fleet-{name}-{port}")
-        self.side = build_prefill_side(
-            _identity(geometry, f"prefill-{name}"),
-            _topology(geometry),
-            self.transport,
-            KVCacheMemory(self.cache.tensors, self.cache.regions),
-            PrefillSettings(HOST, port, timing.release_timeout_s),
+        self.transport.register(self.cache.ranges)
+        metadata = _metadata(
+            geometry, f"prefill-{name}", self.transport.session, self.cache.regions
         )
-        self.tracker = self.side.sender.tracker
+        self.tracker = SendTracker(_topology(geometry), 0, timing.release_timeout_s)
+        self.sender = PrefillSender(metadata, self.tracker, HOST, port)
         self.held_at: dict[str, float] = {}
         self.released_at: dict[str, float] = {}
         release = self.tracker._release
@@ -135,7 +152,7 @@ class _PrefillWorker:
         self.tracker._release = stamped  # instrumentation only: the product's method still runs
 
     def close(self) -> None:
-        self.side.close()
+        self.sender.close()
         self.transport.close()
 
 
@@ -202,21 +219,29 @@ class PrefillHost:
 
 
 class _DecodeWorker:
+    """``connector.wiring.build_decode_side``, step for step (no staging buffer: a TP 1 -> 1
+    pull never stages)."""
+
     def __init__(self, name: str, geometry: Geometry, timing: Timing) -> None:
-        from vllm_ascend_mooncake.connector.wiring import (
-            DecodeSettings,
-            KVCacheMemory,
-            build_decode_side,
-        )
-        from vllm_ascend_mooncake.datapath.receiver import ReceiverOptions
+        import torch
+
+        from vllm_ascend_mooncake.core.relayout import LocalMemory
+        from vllm_ascend_mooncake.datapath.pairing import PairingProbes
+        from vllm_ascend_mooncake.datapath.peers import PeerDirectory
+        from vllm_ascend_mooncake.datapath.receiver import Receiver, ReceiverOptions
+        from vllm_ascend_mooncake.datapath.side_channel import SideChannelClient
+        from vllm_ascend_mooncake.datapath.staging_pool import StagingPool
 
         from .transport import LatencyTransport
 
         self.name = name
-        self.cache = _cache(geometry, geometry.decode_blocks, 7)
+        self.cache = _Cache(geometry, geometry.decode_blocks)
         self.transport = LatencyTransport(
             f"fleet-decode-{name}", timing.read_base_s, timing.read_per_descriptor_s
         )
+        self.transport.register(self.cache.ranges)
+        topology = _topology(geometry)
+        metadata = _metadata(geometry, f"decode-{name}", self.transport.session, self.cache.regions)
         options = ReceiverOptions(
             claim_wait_s=timing.claim_wait_s,
             prefill_wait_s=timing.prefill_wait_s,
@@ -224,17 +249,26 @@ class _DecodeWorker:
             retry_backoff_s=0.05,
             notify_backoff_s=0.1,
         )
-        self.side = build_decode_side(
-            _identity(geometry, f"decode-{name}"),
-            _topology(geometry),
+        self.client = SideChannelClient(timing.side_channel_timeout_s)
+        self.peers = PeerDirectory(self.client, metadata, topology)
+        memory = LocalMemory.from_tensors([torch.from_numpy(self.cache.buffer)])
+        self.receiver = Receiver(
             self.transport,
-            KVCacheMemory(self.cache.tensors, self.cache.regions),
-            DecodeSettings(receiver=options, side_channel_timeout_s=timing.side_channel_timeout_s),
+            topology,
+            0,
+            self.cache.regions,
+            memory,
+            self.peers,
+            self.client,
+            options,
+            StagingPool([]),
         )
-        self.receiver = self.side.receiver
+        self.pairings = PairingProbes(self.peers)
 
     def close(self) -> None:
-        self.side.close()
+        self.pairings.close()
+        self.receiver.shutdown()
+        self.client.close()
         self.transport.close()
 
 
@@ -316,7 +350,12 @@ class DecodeHost:
 
 def _host_main(conn, role: str, geometry: Geometry, timing: Timing, log_level: str) -> None:
     import logging
+    import sys
 
+    # No vLLM in the hosts: the product's loggers fall back to the standard library's (as they do
+    # wherever vLLM is not installed), and a host starts in seconds with a small RSS.
+    sys.modules["vllm"] = None
+    logging.basicConfig(format="%(processName)s %(name)s %(levelname)s %(message)s")
     for name in ("vllm", "vllm_ascend_mooncake"):
         logging.getLogger(name).setLevel(log_level)
     host = None
