@@ -40,7 +40,7 @@ def parse_args(argv=None):
     parser.add_argument("--min-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--no-faults", action="store_true", help="no kill, freeze or replace")
-    parser.add_argument("--freeze-s", type=float, default=4.0, help="how long one stays frozen")
+    parser.add_argument("--freeze-s", type=float, default=6.0, help="how long one stays frozen")
     parser.add_argument(
         "--workers-per-host", type=int, default=128, help="simulated workers per process"
     )

@@ -99,6 +99,25 @@ def proc_sample(pid: int) -> tuple[int, int, int] | None:
         return None
 
 
+def fd_kinds(pid: int) -> dict[str, int]:
+    """``pid``'s open file descriptors by kind (socket, pipe, anon_inode:[eventpoll], ...)."""
+    counts: dict[str, int] = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except (FileNotFoundError, ProcessLookupError):
+        return counts
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        kind = target.split(":[")[0] if ":[" in target else "file"
+        if target.startswith("anon_inode:"):
+            kind = target
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def proc_cpu_s(pid: int) -> float | None:
     """User plus system CPU seconds ``pid`` used so far (None when it is gone)."""
     try:
@@ -326,7 +345,7 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
             elif kind == "thaw":
                 os.kill(fleet.prefill_host[fleet.freeze].pid, signal.SIGCONT)
                 frozen = False
-                faults[-1]["thawed_at_s"] = now_s
+                next(f for f in faults if f["fault"] == "freeze")["thawed_at_s"] = now_s
                 if deferred:
                     host = fleet.prefill_host[fleet.freeze]
                     host.call(
@@ -415,6 +434,11 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
         time.sleep(0.25)
     time.sleep(0.5)  # the last releases
     end_samples = sampler.sample()
+    anatomy = {
+        h.label: {"threads": h.call("threads"), "fds": fd_kinds(h.pid)}
+        for h in fleet.hosts
+        if h.alive
+    }
     cpu_end = {h.label: proc_cpu_s(h.pid) for h in fleet.hosts if h.alive}
     sampler.stop()
     stamps: dict[str, tuple[float, float | None]] = {}
@@ -445,6 +469,7 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
             "wall_s": round(wall_s, 2),
             "expired_holds": expired,
             "held_at_end": held_now,
+            "anatomy_at_end": anatomy,
         },
     )
 

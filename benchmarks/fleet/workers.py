@@ -348,6 +348,18 @@ class DecodeHost:
             worker.close()
 
 
+def thread_names() -> dict[str, int]:
+    """This process's Python threads by name, digits folded (``vam-notify-23456`` counts as
+    ``vam-notify-#``): which parts of the product own the threads."""
+    import re
+
+    counts: dict[str, int] = {}
+    for thread in threading.enumerate():
+        name = re.sub(r"\d+", "#", thread.name)
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def _host_main(conn, role: str, geometry: Geometry, timing: Timing, log_level: str) -> None:
     import logging
     import sys
@@ -367,6 +379,9 @@ def _host_main(conn, role: str, geometry: Geometry, timing: Timing, log_level: s
                     host.close()
             conn.send(("ok", None))
             return
+        if command == "threads":
+            conn.send(("ok", thread_names()))
+            continue
         try:
             if host is None:
                 host = (PrefillHost if role == "prefill" else DecodeHost)(geometry, timing)
