@@ -47,6 +47,13 @@ def parse_args(argv=None):
     parser.add_argument("--read-base-us", type=float, default=200.0, help="per read")
     parser.add_argument("--read-per-descriptor-us", type=float, default=5.0)
     parser.add_argument("--drain-s", type=float, default=60.0, help="wait for reports this long")
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="after each run, wait this long without traffic and sample again (0: not); past "
+        "the notifier's 30 s lane idle time shows what is reclaimed",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="ERROR", help="the workers' product loggers")
     parser.add_argument("--out", type=Path, default=Path("fleet-results"))
@@ -85,6 +92,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             drain_s=args.drain_s,
             log_level=args.log_level,
+            idle_s=args.idle_s,
             timing=timing,
         )
         result = run_point(settings, log=lambda m: print(m, flush=True))

@@ -26,7 +26,9 @@ def _fmt(value) -> str:
 
 def _three(summary: dict, what: str) -> str:
     unit = "_mib" if what == "rss" else ""
-    return "/".join(_fmt(summary[f"{what}_{k}{unit}"]) for k in ("setup", "max", "end"))
+    text = "/".join(_fmt(summary[f"{what}_{k}{unit}"]) for k in ("setup", "max", "end"))
+    idle = summary.get(f"{what}_idle{unit}")
+    return text if idle is None else f"{text} (idle {_fmt(idle)})"
 
 
 def _lat(latency: dict) -> str:

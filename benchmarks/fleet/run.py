@@ -75,6 +75,7 @@ class Settings:
     workers_per_host: int
     seed: int
     drain_s: float
+    idle_s: float = 0.0  # after the run: wait this long with no traffic, then sample again
     log_level: str = "ERROR"
     timing: Timing = field(default_factory=Timing)
     geometry: Geometry = field(default_factory=Geometry)
@@ -450,6 +451,18 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
             expired += got["expired"]
             held_now += got["held_now"]
     wall_s = time.monotonic() - started
+    idle_samples: dict[str, tuple[int, int, int]] = {}
+    if s.idle_s > 0:
+        log(f"  idle for {s.idle_s:g} s")
+        time.sleep(s.idle_s)
+        idle_samples = sampler.sample()
+        for label in idle_samples:
+            sampler.samples[label].pop()  # not part of the run's max
+        anatomy_idle = {
+            h.label: {"threads": h.call("threads"), "fds": fd_kinds(h.pid)}
+            for h in fleet.hosts
+            if h.alive
+        }
     return _results(
         s,
         fleet,
@@ -470,7 +483,10 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
             "expired_holds": expired,
             "held_at_end": held_now,
             "anatomy_at_end": anatomy,
+            "idle_s": s.idle_s,
+            **({"anatomy_after_idle": anatomy_idle} if s.idle_s > 0 else {}),
         },
+        idle_samples,
     )
 
 
@@ -487,13 +503,27 @@ def _cause(r: Request, fleet: Fleet, outcome: tuple[str, str] | None) -> str | N
 
 
 def _results(
-    s, fleet, requests, outcomes, timelines, stamps, sampler, setup, end, cpu0, cpu1, faults, extra
+    s,
+    fleet,
+    requests,
+    outcomes,
+    timelines,
+    stamps,
+    sampler,
+    setup,
+    end,
+    cpu0,
+    cpu1,
+    faults,
+    extra,
+    idle,
 ) -> dict:
     processes = []
     for host in fleet.hosts:
         samples = sampler.samples[host.label]
         first = setup.get(host.label)
         last = end.get(host.label)
+        after = idle.get(host.label)
         cpu = None
         if host.label in cpu1 and cpu1[host.label] is not None:
             cpu = round(cpu1[host.label] - cpu0.get(host.label, 0.0), 3)
@@ -512,6 +542,9 @@ def _results(
                 "rss_setup_mib": round(first[2] / 2**20, 1) if first else None,
                 "rss_max_mib": round(max((x[2] for x in samples), default=0) / 2**20, 1),
                 "rss_end_mib": round(last[2] / 2**20, 1) if last else None,
+                "threads_idle": after[0] if after else None,
+                "fds_idle": after[1] if after else None,
+                "rss_idle_mib": round(after[2] / 2**20, 1) if after else None,
                 "cpu_s": cpu,
             }
         )
@@ -571,6 +604,9 @@ def _results(
                 "rss_setup_mib",
                 "rss_max_mib",
                 "rss_end_mib",
+                "threads_idle",
+                "fds_idle",
+                "rss_idle_mib",
             )
         }
         for role in ("decode", "prefill")
