@@ -565,6 +565,11 @@ def _results(
             failed_by_cause[cause] = failed_by_cause.get(cause, 0) + 1
     healthy = [r for r in done if _cause(r, fleet, None) is None]
     grant, early_grant, release, total = [], [], [], []
+    # healthy pulls that arrived while a peer was frozen, against those that did not: what one
+    # frozen peer makes the others wait
+    frozen = next((f for f in faults if f["fault"] == "freeze" and "thawed_at_s" in f), None)
+    grant_frozen: list[float] = []
+    grant_otherwise: list[float] = []
     for r in healthy:
         t = timelines.get(r.request_id)
         if t is None:
@@ -577,6 +582,9 @@ def _results(
                     early_grant.append(max(0.0, granted - held))
             else:
                 grant.append(granted - submitted)
+                if frozen is not None:
+                    during = frozen["at_s"] <= r.arrival <= frozen["thawed_at_s"]
+                    (grant_frozen if during else grant_otherwise).append(granted - submitted)
         if landed is not None:
             total.append(landed - submitted)
             if released is not None:
@@ -632,6 +640,14 @@ def _results(
             "early_hold_to_grant": percentiles(early_grant),
             "read_done_to_release": percentiles(release),
             "submit_to_landed": percentiles(total),
+            **(
+                {
+                    "claim_to_grant_while_one_frozen": percentiles(grant_frozen),
+                    "claim_to_grant_otherwise": percentiles(grant_otherwise),
+                }
+                if frozen is not None
+                else {}
+            ),
         },
         "cpu_us_per_pull": {
             role: round(1e6 * cpu / max(1, pulls), 1) for role, cpu in cpu_by_role.items()
