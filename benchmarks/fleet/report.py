@@ -16,7 +16,7 @@ _HEADER = (
     "| prefill proc threads setup/max/end | prefill proc fds setup/max/end "
     "| prefill proc RSS MiB setup/max/end "
     "| claim→grant p50/p99 ms | early hold→grant p50/p99 ms | read-done→release p50/p99 ms "
-    "| CPU µs/pull decode / prefill |"
+    "| CPU µs/pull decode / prefill (net of idle) | TIME_WAIT |"
 )
 
 
@@ -42,6 +42,7 @@ def markdown_table(results: list[dict]) -> str:
         attributed = sum(r["failed_by_cause"].values())
         causes = ", ".join(f"{k} {v}" for k, v in sorted(r["failed_by_cause"].items()))
         cpu = r["cpu_us_per_pull"]
+        net = r.get("cpu_us_per_pull_net_of_idle", {})
         lines.append(
             f"| {r['shape']} | {r['size']} | {r['requests']} | {r['pulls_done']} "
             f"| {attributed}{f' ({causes})' if causes else ''} / {r['failed_unattributed']} "
@@ -52,7 +53,9 @@ def markdown_table(results: list[dict]) -> str:
             f"| {_lat(r['latency']['claim_to_grant'])} "
             f"| {_lat(r['latency']['early_hold_to_grant'])} "
             f"| {_lat(r['latency']['read_done_to_release'])} "
-            f"| {_fmt(cpu.get('decode'))} / {_fmt(cpu.get('prefill'))} |"
+            f"| {_fmt(cpu.get('decode'))} / {_fmt(cpu.get('prefill'))} "
+            f"({_fmt(net.get('decode'))} / {_fmt(net.get('prefill'))}) "
+            f"| {_fmt(r.get('tcp_time_wait_at_end'))} |"
         )
     return "\n".join(lines)
 

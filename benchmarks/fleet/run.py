@@ -75,6 +75,7 @@ class Settings:
     workers_per_host: int
     seed: int
     drain_s: float
+    idle_cpu_s: float = 2.0  # before the stream: how long the idle fleet's CPU is measured
     idle_s: float = 0.0  # after the run: wait this long with no traffic, then sample again
     log_level: str = "ERROR"
     timing: Timing = field(default_factory=Timing)
@@ -117,6 +118,26 @@ def fd_kinds(pid: int) -> dict[str, int]:
             kind = target
         counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def time_wait(ports: set[int]) -> int:
+    """Loopback TCP connections in TIME_WAIT with one end on one of ``ports`` (connections this
+    fleet closed in the last minute: how often its sockets reconnect)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines)
+                for line in lines:
+                    fields = line.split()
+                    if fields[3] != "06":  # TIME_WAIT
+                        continue
+                    local = int(fields[1].rsplit(":", 1)[1], 16)
+                    remote = int(fields[2].rsplit(":", 1)[1], 16)
+                    count += local in ports or remote in ports
+        except (FileNotFoundError, StopIteration):
+            continue
+    return count
 
 
 def proc_cpu_s(pid: int) -> float | None:
@@ -292,8 +313,17 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
     requests = make_requests(s, fleet.num_prefill, fleet.num_decode)
     setup_s = time.monotonic() - setup_started
     sampler = Sampler(fleet.hosts)
+    # what the fleet costs with no traffic (side channels' polls, the harness's step threads):
+    # on one host every simulated worker's idle cost adds up, in production each has its own
+    idle_before = {h.label: proc_cpu_s(h.pid) or 0.0 for h in fleet.hosts}
+    time.sleep(s.idle_cpu_s)
+    idle_cpu = {
+        h.label: ((proc_cpu_s(h.pid) or 0.0) - idle_before[h.label]) / s.idle_cpu_s
+        for h in fleet.hosts
+    }
     setup_samples = sampler.sample()
     cpu_start = {h.label: proc_cpu_s(h.pid) or 0.0 for h in fleet.hosts}
+    ports_ever = set(fleet.ports)
     sampler.start()
     duration = requests[-1].arrival if requests else 0.0
     # events: (time, order, kind, request); order keeps holds before pulls at the same time
@@ -359,6 +389,7 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
                 port = free_port_range(1)
                 fleet.sessions[i] = fleet.prefill_host[i].call("replace", f"p{i}", port)
                 fleet.ports[i] = port
+                ports_ever.add(port)
                 fleet.incarnations[i] += 1
                 faults.append({"fault": "replace", "worker": f"p{i}", "at_s": now_s})
         due = []
@@ -435,6 +466,8 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
         time.sleep(0.25)
     time.sleep(0.5)  # the last releases
     end_samples = sampler.sample()
+    cpu_window_s = time.monotonic() - started
+    time_wait_end = time_wait(ports_ever)
     anatomy = {
         h.label: {"threads": h.call("threads"), "fds": fd_kinds(h.pid)}
         for h in fleet.hosts
@@ -483,6 +516,9 @@ def _play(s: Settings, fleet: Fleet, setup_started: float, log) -> dict:
             "expired_holds": expired,
             "held_at_end": held_now,
             "anatomy_at_end": anatomy,
+            "tcp_time_wait_at_end": time_wait_end,
+            "idle_cpu_cores": {k: round(v, 3) for k, v in idle_cpu.items()},
+            "cpu_window_s": round(cpu_window_s, 2),
             "idle_s": s.idle_s,
             **({"anatomy_after_idle": anatomy_idle} if s.idle_s > 0 else {}),
         },
@@ -591,9 +627,12 @@ def _results(
                 release.append(released - landed)
     pulls = len(requests)
     cpu_by_role: dict[str, float] = {}
+    net_by_role: dict[str, float] = {}
     for p in processes:
         if p["cpu_s"] is not None:
             cpu_by_role[p["role"]] = cpu_by_role.get(p["role"], 0.0) + p["cpu_s"]
+            idle_cost = extra["idle_cpu_cores"][p["label"]] * extra["cpu_window_s"]
+            net_by_role[p["role"]] = net_by_role.get(p["role"], 0.0) + p["cpu_s"] - idle_cost
 
     def role_max(role: str, key: str):
         values = [p[key] for p in processes if p["role"] == role and p[key] is not None]
@@ -651,6 +690,9 @@ def _results(
         },
         "cpu_us_per_pull": {
             role: round(1e6 * cpu / max(1, pulls), 1) for role, cpu in cpu_by_role.items()
+        },
+        "cpu_us_per_pull_net_of_idle": {
+            role: round(1e6 * cpu / max(1, pulls), 1) for role, cpu in net_by_role.items()
         },
         "per_process_max": summary,
         "processes": processes,
