@@ -62,6 +62,10 @@ def check_fields(result: dict, requests: int) -> None:
         latency = result["latency"][name]
         assert latency["n"] > 0 and 0 <= latency["p50_ms"] <= latency["p99_ms"], name
     assert set(result["cpu_us_per_pull"]) == {"decode", "prefill"}
+    assert set(result["cpu_us_per_pull_net_of_idle"]) == {"decode", "prefill"}
+    assert result["tcp_time_wait_at_end"] >= 0
+    for anatomy in result["anatomy_at_end"].values():
+        assert anatomy["threads"]["MainThread"] == 1 and anatomy["fds"]
     for role in ("decode", "prefill"):
         summary = result["per_process_max"][role]
         assert all(summary[key] is not None for key in PROCESS_FIELDS), (role, summary)
