@@ -60,7 +60,8 @@ def main() -> int:
         req = request(f"p-{i}", {"do_remote_decode": True})
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         prefill_requests.append(req)
-    block_ids = [list(range(i * per_req, (i + 1) * per_req)) for i in range(n)]
+    # block 0 is vLLM's null block (never a prompt's): ids start at 1
+    block_ids = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(n)]
     started = time.perf_counter()
     finished = [
         prefill.request_finished(r, (ids,))[1]
