@@ -159,11 +159,44 @@ def test_the_hold_table_renews_a_hold_within_its_bound_and_takes_out_overdue_one
     held = Hold("r", {0}, 0.0)
     table.start("t", held, now=5.0)
     assert (held.deadline, held.hold_ends) == (15.0, 5.0 + MAX_HOLD_TIMEOUTS * 10.0)
-    assert table.renew(held, 12.0) is None and held.deadline == 22.0
-    assert table.renew(held, 44.0) is None and held.deadline == 45.0  # capped at its bound
-    assert "release timeouts already" in (table.renew(held, 45.0) or "")
+    assert table.renew("t", held, 12.0) is None and held.deadline == 22.0
+    assert table.renew("t", held, 44.0) is None and held.deadline == 45.0  # capped at its bound
+    assert "release timeouts already" in (table.renew("t", held, 45.0) or "")
     assert table.take_overdue(44.9) == [] and "t" in table
     assert table.take_overdue(45.0) == [("t", held)] and len(table) == 0
+
+
+def test_the_hold_table_takes_out_what_ends_in_the_order_held_without_looking_at_the_rest() -> None:
+    """A step's expiry and an idle step's soonest deadline cost what ends, not what is held:
+    with 10,000 held, a step looks at the few entries due (and stale ones), not every hold."""
+    table = HoldTable(10.0)
+    holds = {f"t{i}": Hold(f"r{i}", {0}, 0.0) for i in range(10_000)}
+    for i, (transfer_id, held) in enumerate(holds.items()):
+        table.start(transfer_id, held, now=float(i % 7))  # deadlines out of held order
+    table.renew("t0", holds["t0"], now=20.0)  # t0 now ends at 30: its first entry goes stale
+    table.pop("t1")  # read and released: its entry goes stale
+    assert table.soonest_deadline() == 10.0  # t7, t14, ... (t0 renewed, t1 gone)
+    due = table.take_overdue(10.0)
+    assert [t for t, _ in due] == [f"t{i}" for i in range(7, 10_000, 7)]  # the order held
+    looked_at = []
+    original = table._is_live
+    table._is_live = lambda entry: looked_at.append(entry) or original(entry)  # type: ignore[method-assign]
+    assert table.take_overdue(10.5) == [] and table.soonest_deadline() == 11.0
+    assert len(looked_at) <= 2  # the heap's top, not the 8,500 holds
+    due = table.take_overdue(16.0)
+    assert "t0" not in {t for t, _ in due} and "t0" in table and len(table) == 1
+    assert table.take_overdue(30.0) == [("t0", holds["t0"])]
+    assert table.soonest_deadline() == float("inf")
+
+
+def test_the_hold_table_heap_stays_within_twice_the_holds_under_renewals() -> None:
+    table = HoldTable(10.0)
+    held = Hold("r", {0}, 0.0)
+    table.start("t", held, now=0.0)
+    for i in range(10_000):  # a reader renewing its lease far more often than anything ends
+        held.hold_ends = float("inf")
+        table.renew("t", held, now=0.001 * (i + 1))
+    assert len(table._deadlines) <= 2 * len(table) + 64 + 1
 
 
 def test_a_claim_before_prefill_is_done_waits_then_gets_the_block_ids() -> None:

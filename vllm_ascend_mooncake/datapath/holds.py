@@ -10,6 +10,8 @@ locks: :class:`~.sender.SendTracker`'s lock guards them.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from ..core.topology import Topologies, TopologyError, TransferTopology, request_seed
@@ -32,6 +34,8 @@ class Hold:
     lessees: dict[int, str] = field(default_factory=dict)
     #: the TP size of the decode instance reading it, once a claim or notice named it
     decode_tp: int | None = None
+    #: when it was held, in the table's order (set by :meth:`HoldTable.start`)
+    held_order: int = field(default=0, compare=False)
 
 
 #: However often a transfer is claimed, its blocks are held at most this many release timeouts
@@ -43,11 +47,21 @@ class HoldTable:
     """The transfers this rank holds, by transfer id (guarded by the tracker's lock).
 
     Each is held one release timeout (``timeout_s``) from when it was held or last renewed, and
-    never past :data:`MAX_HOLD_TIMEOUTS` release timeouts in all."""
+    never past :data:`MAX_HOLD_TIMEOUTS` release timeouts in all.
+
+    Every engine step takes out the overdue holds and every idle step asks for the soonest
+    deadline, so both cost what ends, not what is held: deadlines sit in a heap (a deadline only
+    ever grows, so a renewal pushes the new one and the old entry goes stale; a released hold's
+    entry goes stale too). Stale entries are dropped as they reach the top, and the heap is
+    rebuilt whenever they outnumber the holds, so it stays within twice the holds (plus
+    :data:`_HEAP_SLACK`)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._holds: dict[str, Hold] = {}
+        #: (deadline, held order, transfer id, hold): one per start or renewal, some stale
+        self._deadlines: list[tuple[float, int, str, Hold]] = []
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -62,12 +76,17 @@ class HoldTable:
         """Hold ``transfer_id`` from ``now``: one release timeout, at most the bound in all."""
         hold.deadline = now + self.timeout_s
         hold.hold_ends = now + MAX_HOLD_TIMEOUTS * self.timeout_s
+        hold.held_order = next(self._order)
         self._holds[transfer_id] = hold
+        self._push(transfer_id, hold)
 
-    def renew(self, held: Hold, now: float) -> str | None:
-        """Hold ``held`` another release timeout from ``now``, never past its bound; the
-        reason to refuse when its bound has passed."""
+    def renew(self, transfer_id: str, held: Hold, now: float) -> str | None:
+        """Hold ``held`` (``transfer_id``'s) another release timeout from ``now``, never past
+        its bound; the reason to refuse when its bound has passed."""
+        before = held.deadline
         held.deadline = min(max(held.deadline, now + self.timeout_s), held.hold_ends)
+        if held.deadline != before and self._holds.get(transfer_id) is held:
+            self._push(transfer_id, held)
         if held.deadline <= now:
             return (
                 f"held for {MAX_HOLD_TIMEOUTS} release timeouts already, the longest any "
@@ -92,16 +111,42 @@ class HoldTable:
 
     def take_overdue(self, now: float) -> list[tuple[str, Hold]]:
         """Take out the holds whose deadline has passed, in the order they were held."""
-        taken = [(tid, held) for tid, held in self._holds.items() if held.deadline <= now]
-        for transfer_id, _ in taken:
-            del self._holds[transfer_id]
+        taken = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, transfer_id, held = heapq.heappop(heap)
+            if self._holds.get(transfer_id) is held and held.deadline <= now:
+                del self._holds[transfer_id]
+                taken.append((transfer_id, held))
+        taken.sort(key=lambda item: item[1].held_order)
         return taken
 
     def soonest_deadline(self) -> float:
-        return min(held.deadline for held in self._holds.values())
+        """The soonest deadline of a hold (infinity when none is held)."""
+        heap = self._deadlines
+        while heap and not self._is_live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("inf")
 
     def latest_deadline(self) -> float:
         return max(held.deadline for held in self._holds.values())
+
+    def _push(self, transfer_id: str, hold: Hold) -> None:
+        heap = self._deadlines
+        if len(heap) > 2 * len(self._holds) + _HEAP_SLACK:
+            heap[:] = [
+                (h.deadline, h.held_order, t, h) for t, h in self._holds.items() if h is not hold
+            ]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (hold.deadline, hold.held_order, transfer_id, hold))
+
+    def _is_live(self, entry: tuple[float, int, str, Hold]) -> bool:
+        deadline, _, transfer_id, hold = entry
+        return self._holds.get(transfer_id) is hold and hold.deadline == deadline
+
+
+#: Stale deadline entries the heap may keep beyond twice the holds before it is rebuilt.
+_HEAP_SLACK = 64
 
 
 class ReaderTopologies:

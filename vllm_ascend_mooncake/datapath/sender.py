@@ -391,7 +391,7 @@ class SendTracker:
                     reason=f"prefill computed {held.num_prompt_tokens} prompt tokens, the "
                     f"decode request has {num_prompt_tokens}: the prompts differ",
                 )
-            refusal = self._holds.renew(held, now)
+            refusal = self._holds.renew(transfer_id, held, now)
             if refusal is not None:
                 return ClaimReply("refused", reason=refusal)
             if reader:
@@ -431,7 +431,7 @@ class SendTracker:
                 if why is not None:
                     return ClaimReply("refused", reason=f"it was read or released already: {why}")
                 return ClaimReply("pending", reason="prefill does not hold it (yet)")
-            refusal = self._holds.renew(held, now)
+            refusal = self._holds.renew(transfer_id, held, now)
             if refusal is not None:
                 return ClaimReply("refused", reason=refusal)
             return ClaimReply("held", lease_s=held.deadline - now)
