@@ -71,7 +71,7 @@ from ..timeline import PullTimeline
 from .claims import ClaimExchange
 from .copy_overlap import CopyOverlap
 from .failures import FailureKind, PullError, as_pull_error
-from .lanes import FifoLane
+from .lanes import FifoLanes
 from .leases import HeldBlocks, LeasedPeer, Leases, LeaseTerms, agreed_blocks
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
@@ -319,10 +319,10 @@ class Receiver:
             ),
             self._reports.check_cancelled,
         )
-        self._lanes_lock = threading.Lock()
-        self._lanes: dict[str, FifoLane] = {}  # reads, by prefill transport session
-        #: peer lookups, by prefill instance (host, first side-channel port)
-        self._lookup_lanes: dict[tuple[str, int], FifoLane] = {}
+        #: reads, by prefill transport session; a lane exists only while it has work
+        self._lanes = FifoLanes(self._pool, self._read_from, options.requests_per_turn)
+        #: peer lookups, by prefill instance (host, first side-channel port); likewise
+        self._lookup_lanes = FifoLanes(self._prepare_pool, self._prepare, options.requests_per_turn)
         self._notifier = ReadDoneNotifier(
             client, attempts=options.notify_attempts, backoff_s=options.notify_backoff_s
         )
@@ -393,21 +393,12 @@ class Receiver:
         while (item := self._queue.get()) is not None:
             pull = item[0]
             try:
-                self._lookup_lane(pull.remote_host, pull.remote_port).push(item)
+                # One lane per prefill instance: a peer that does not answer its metadata
+                # requests holds one planning thread, never all of them, and its other pulls
+                # wait behind it (then fail at once while it is marked down).
+                self._lookup_lanes.push((pull.remote_host, pull.remote_port), item)
             except RuntimeError as exc:  # the pool shut down
                 self._finish(pull, _shutting_down(exc))
-
-    def _lookup_lane(self, host: str, port: int) -> FifoLane:
-        """The lane looking up one prefill instance's ranks: a peer that does not answer its
-        metadata requests holds one planning thread, never all of them, and its other pulls
-        wait behind it (then fail at once while it is marked down)."""
-        with self._lanes_lock:
-            lane = self._lookup_lanes.get((host, port))
-            if lane is None:
-                lane = self._lookup_lanes[(host, port)] = FifoLane(
-                    self._prepare_pool, self._prepare, self._options.requests_per_turn
-                )
-        return lane
 
     def _submit_planning(self, pull: PullOrder, task: Callable[..., None], *args) -> None:
         """Run ``task`` on a planning thread; a pull that cannot get one (shutting down) fails."""
@@ -540,7 +531,9 @@ class Receiver:
         )
         for peer_plan in plan.peers:
             if peer_plan.batches:
-                self._lane(peers[peer_plan.prefill_rank].transport_session).push((state, peer_plan))
+                self._lanes.push(
+                    peers[peer_plan.prefill_rank].transport_session, (state, peer_plan)
+                )
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
 
@@ -563,15 +556,6 @@ class Receiver:
                 f"(or not both with vLLM's hybrid KV cache manager)",
             )
         return split
-
-    def _lane(self, session: str) -> FifoLane:
-        with self._lanes_lock:
-            lane = self._lanes.get(session)
-            if lane is None:
-                lane = self._lanes[session] = FifoLane(
-                    self._pool, self._read_from, self._options.requests_per_turn
-                )
-        return lane
 
     def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
         """Read one peer's part of a pull, tell that peer, and complete the pull if it was the
