@@ -489,9 +489,10 @@ class SideChannelClient:
             self._all_sockets.pop(sock, None)
         sock.close()
 
-    def request(self, host: str, port: int, message: Message) -> Message:
+    def request(self, host: str, port: int, message: Message, keep_socket: bool = True) -> Message:
         """Send ``message`` and return the reply; raises :class:`SideChannelError`
-        (:class:`BadAddress` when ``host:port`` is no address)."""
+        (:class:`BadAddress` when ``host:port`` is no address). ``keep_socket=False``: close
+        the socket after the exchange (a peer this thread seldom asks: a metadata fetch)."""
         peer = (host, port)
         try:
             sock = self._socket(peer)
@@ -507,6 +508,8 @@ class SideChannelClient:
             if isinstance(exc, SideChannelError):
                 raise
             raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
+        if not keep_socket:
+            self._drop(peer, sock)
         return refusal_checked(reply, message, host, port)
 
     def request_frames(self, message: Message, tag: bytes | None = None) -> list[bytes]:
@@ -539,7 +542,10 @@ class SideChannelClient:
         return self._context
 
     def fetch_metadata(self, host: str, port: int) -> Message:
-        return self.request(host, port, GetMetadata())
+        """A peer's metadata; no socket is kept: a worker fetches it once per peer and idle
+        window, on whichever planning thread, so a kept socket would cost one per thread and
+        peer until that thread's next exchange."""
+        return self.request(host, port, GetMetadata(), keep_socket=False)
 
     @property
     def closed(self) -> bool:
