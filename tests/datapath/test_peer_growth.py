@@ -11,7 +11,11 @@ to a fraction of a second, so the bounds a fleet meets in minutes are met here i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +51,15 @@ def short_windows(monkeypatch):
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def open_sockets() -> int:
+    """This process's TCP (and other) sockets, pipes and event descriptors left out."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since the listing
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
 
 
 def held_entries(obj) -> int:
@@ -214,3 +227,35 @@ def test_a_silent_peers_notifier_state_ends_with_its_lane() -> None:
     finally:
         notices.shutdown()
         client.close()
+
+
+def test_a_vanished_decode_peers_connection_is_dropped_by_the_server(monkeypatch) -> None:
+    """Prefill side: a decode pod whose host vanished (no FIN, no RST: here a stopped process)
+    leaves a half-open connection on the prefill's side channel; heartbeats close it."""
+    monkeypatch.setattr(side_channel, "HEARTBEAT_IVL_S", 0.1, raising=False)
+    monkeypatch.setattr(side_channel, "HEARTBEAT_TIMEOUT_S", 0.3, raising=False)
+    port = free_port_range(1)
+    server = side_channel.SideChannelServer(HOST, port, lambda message: message)
+    script = (
+        "import sys, time, zmq\n"
+        "s = zmq.Context().socket(zmq.DEALER)\n"
+        f"s.connect('tcp://{HOST}:{port}')\n"
+        "s.send_multipart([b'', b'hello'])\n"
+        "s.poll(5000)\n"
+        "print('connected', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    before = open_sockets()
+    peer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "connected"
+        wait_until(lambda: open_sockets() > before, "the server holds the peer's connection")
+        peer.send_signal(signal.SIGSTOP)  # vanished: its ZMQ answers no ping any more
+        deadline = time.monotonic() + 5.0
+        while open_sockets() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert open_sockets() <= before, "the vanished peer's connection is still open"
+    finally:
+        peer.kill()
+        peer.wait()
+        server.close()

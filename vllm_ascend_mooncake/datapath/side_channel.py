@@ -13,7 +13,12 @@ mistaken for the next answer. A request may carry a tag frame before the empty d
 routing envelope): the reply carries it back, so one socket can have many requests outstanding
 and match each reply to its request (:mod:`.claims` multiplexes read claims that way).
 
-The client's sockets do not grow with the peers ever asked (pods replaced under new addresses):
+The server keeps a connection per decode socket connected to it; ZMQ drops it when the peer
+closes it, and a peer that vanished without closing (its host gone, a partition) is found by a
+heartbeat: a connection that answers no ZMTP ping within :data:`HEARTBEAT_TIMEOUT_S` is closed,
+so a decode fleet whose pods are replaced leaves no half-open connection (and its descriptor) on
+prefill. The client's sockets do not grow with the peers ever asked (pods replaced under new
+addresses):
 a thread's socket to a peer it has not asked for :data:`IDLE_PEER_SOCKET_S` is closed at that
 thread's next exchange, at most :data:`MAX_PEER_SOCKETS_PER_THREAD` are kept per thread (least
 recently used go first), and the sockets of threads that ended without closing theirs are closed
@@ -182,6 +187,10 @@ MAX_PARKED = 4096
 DEFERRED_WORKERS = 2
 MAX_DEFERRED = 64
 _POLL_MS = 100
+#: How often the server pings each connected peer (ZMTP heartbeats, answered by the peer's ZMQ
+#: I/O thread, never by its Python code), and how long a connection that answers nothing is kept.
+HEARTBEAT_IVL_S = 10.0
+HEARTBEAT_TIMEOUT_S = 30.0
 #: The wake a finished deferred request sends (parked requests' keys are ``=key`` or ``*``).
 _DONE_WAKE = b"!"
 
@@ -204,6 +213,8 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         # A larger frame makes ZMQ drop that peer's connection before buffering it.
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
