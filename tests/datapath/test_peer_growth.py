@@ -53,12 +53,15 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def open_sockets() -> int:
-    """This process's TCP (and other) sockets, pipes and event descriptors left out."""
+def connections_served(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` (the server's side of each)."""
     count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed since the listing
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                count += local_port == port and fields[3] == "01"  # ESTABLISHED
     return count
 
 
@@ -245,16 +248,15 @@ def test_a_vanished_decode_peers_connection_is_dropped_by_the_server(monkeypatch
         "print('connected', flush=True)\n"
         "time.sleep(60)\n"
     )
-    before = open_sockets()
     peer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "connected"
-        wait_until(lambda: open_sockets() > before, "the server holds the peer's connection")
+        assert connections_served(port) == 1
         peer.send_signal(signal.SIGSTOP)  # vanished: its ZMQ answers no ping any more
         deadline = time.monotonic() + 5.0
-        while open_sockets() > before and time.monotonic() < deadline:
+        while connections_served(port) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert open_sockets() <= before, "the vanished peer's connection is still open"
+        assert connections_served(port) == 0, "the vanished peer's connection is still open"
     finally:
         peer.kill()
         peer.wait()

@@ -18,12 +18,12 @@ closes it, and a peer that vanished without closing (its host gone, a partition)
 heartbeat: a connection that answers no ZMTP ping within :data:`HEARTBEAT_TIMEOUT_S` is closed,
 so a decode fleet whose pods are replaced leaves no half-open connection (and its descriptor) on
 prefill. The client's sockets do not grow with the peers ever asked (pods replaced under new
-addresses):
-a thread's socket to a peer it has not asked for :data:`IDLE_PEER_SOCKET_S` is closed at that
-thread's next exchange, at most :data:`MAX_PEER_SOCKETS_PER_THREAD` are kept per thread (least
-recently used go first), and the sockets of threads that ended without closing theirs are closed
-by the next thread that opens one (every :data:`REAP_EVERY` sockets opened). Each check looks at
-the oldest sockets only, so an exchange costs O(1) whatever the number of peers.
+addresses): a thread's socket to a peer it has not asked for :data:`IDLE_PEER_SOCKET_S` is
+closed at that thread's next exchange, at most :data:`MAX_PEER_SOCKETS_PER_THREAD` are kept per
+thread (least recently used go first), a metadata fetch (once per peer) keeps none, and the
+sockets of threads that ended without closing theirs are closed by the next thread that opens
+one (every :data:`REAP_EVERY` sockets opened). Each check looks at the oldest sockets only, so an
+exchange costs O(1) whatever the number of peers.
 
 With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
 both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
