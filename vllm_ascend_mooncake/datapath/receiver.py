@@ -24,8 +24,9 @@ report    ``PullReports.finish``    the last read, or the         ``_reports``: 
 
 A failure in look up, claim or plan gives the pull up (``_give_up``): every rank looked up is
 told to release its hold, and the pull is reported failed. Reads run with one FIFO lane per
-prefill peer: different peers in parallel, one peer strictly in order. All layers of a
-request-peer pair go out as one batched read, split at the descriptor cap. The fix-up runs only
+prefill peer: different peers in parallel, one peer strictly in order (a lane, a look-up lane
+too, exists only while it has work: :mod:`.lanes`). All layers of a request-peer pair go out as
+one batched read, split at the descriptor cap. The fix-up runs only
 once every pull of the request has landed; a partially read request is never fixed up or reported
 loaded. Each peer read gets a read-done notification (success or not) so the prefill side can free
 its blocks.
