@@ -167,8 +167,8 @@ def test_a_read_queued_on_a_peers_lane_does_not_start_once_its_pull_is_stopped(
     c.pull("a", [1, 2], [3, 4])
     wait_until(lambda: started, "a's read starts")
     c.pull("b", [5, 6], [7, 8])
-    (lane,) = d.receiver._lanes.values()
-    wait_until(lambda: lane._items, "b's read waits on the peer's lane")
+    session = c.prefill[0].transport.session
+    wait_until(lambda: d.receiver._lanes.queued(session), "b's read waits on the peer's lane")
     if stop == "suspend":
         d.receiver.suspend("asleep", timeout_s=0.0)  # the worker unregisters its memory now
     else:

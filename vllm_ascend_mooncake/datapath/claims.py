@@ -21,6 +21,12 @@ Every claim of the worker waits on this one thread, so nothing about one claim m
 failure handling one reply or one claim ends that claim only, and idle sockets are closed between
 poll rounds, never under a round that may still list them. Should the thread fail all the same,
 the exchange closes: every claim outstanding or made later fails at once instead of hanging.
+
+Sockets do not grow with the prefill workers ever claimed from (pods replaced under new
+addresses): a socket no claim waits on is closed once unused for :data:`IDLE_SOCKET_S` (a
+replaced pod's with it, instead of reconnecting to a dead address for ever), and the least
+recently used beyond :data:`MAX_IDLE_SOCKETS` sooner. Sockets are kept in order of last use, so
+finding the idle ones looks at the oldest only.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ logger = get_logger(__name__)
 TICK_S = 0.05
 #: Sockets to prefill workers without a claim outstanding kept open (least recently used go).
 MAX_IDLE_SOCKETS = 16
+#: A socket to a prefill worker no claim used for this long is closed (no claim waits on it).
+IDLE_SOCKET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -91,8 +99,11 @@ class ClaimExchange:
         attempts: int = 2,
         poll_s: tuple[float, float] = (0.001, 0.01),
         name: str = "vam-claims",
+        idle_s: float | None = None,
     ) -> None:
+        """``idle_s``: how long an unused socket is kept (None: :data:`IDLE_SOCKET_S`)."""
         self._client = client
+        self._idle_s = IDLE_SOCKET_S if idle_s is None else idle_s
         self._attempts = attempts
         self._first_poll_s, self._longest_poll_s = poll_s
         self._context = client.context
@@ -102,6 +113,8 @@ class ClaimExchange:
         self._tags = itertools.count()
         self._sockets: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
         self._peer_of: dict[zmq.Socket, tuple[str, int]] = {}
+        #: when each socket was last used (``_sockets`` is in that order, oldest first)
+        self._used: dict[tuple[str, int], float] = {}
         self._poller = zmq.Poller()
         wake_address = f"inproc://vam-claims-{id(self)}"
         self._wake_in = self._context.socket(zmq.PULL)
@@ -330,6 +343,7 @@ class ClaimExchange:
         sock = self._sockets.get(peer)
         if sock is not None:
             self._sockets.move_to_end(peer)
+            self._used[peer] = time.monotonic()
             return sock
         check_address(*peer)
         sock = self._context.socket(zmq.DEALER)
@@ -339,22 +353,29 @@ class ClaimExchange:
             sock.close()
             raise
         self._sockets[peer] = sock
+        self._used[peer] = time.monotonic()
         self._peer_of[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
         return sock
 
     def _close_idle_sockets(self) -> None:
-        """Close the least recently used sockets beyond :data:`MAX_IDLE_SOCKETS` that no claim
-        waits on: prefill workers come and go (rollouts), the ZMQ context's sockets do not. Run
-        between poll rounds only: a socket closed within one may still be in its ready list."""
-        if len(self._sockets) <= MAX_IDLE_SOCKETS:
+        """Close the sockets no claim waits on that were unused for ``idle_s``, and the least
+        recently used beyond :data:`MAX_IDLE_SOCKETS`: prefill workers come and go (rollouts),
+        the ZMQ context's sockets do not. Run between poll rounds only: a socket closed within
+        one may still be in its ready list."""
+        if not self._sockets:
+            return
+        stale_before = time.monotonic() - self._idle_s
+        oldest = next(iter(self._sockets))
+        if len(self._sockets) <= MAX_IDLE_SOCKETS and self._used[oldest] >= stale_before:
             return
         busy = {claim.peer for claim in self._claims}
         for peer in list(self._sockets):
-            if len(self._sockets) <= MAX_IDLE_SOCKETS:
-                return
+            if len(self._sockets) <= MAX_IDLE_SOCKETS and self._used[peer] >= stale_before:
+                return  # every later one was used more recently
             if peer not in busy:
                 sock = self._sockets.pop(peer)
+                del self._used[peer]
                 self._poller.unregister(sock)
                 del self._peer_of[sock]
                 sock.close()

@@ -17,6 +17,11 @@ before it ends (closing its socket): under a steady request rate one thread and 
 serve every notice to a peer. A thread ending whenever its lane ran dry cost a thread start and a
 TCP connection per notice (814 of each for 1,000 notices 4 ms apart), every closed connection
 left in TIME_WAIT for 60 s, enough at ~470 notices/s to use up a host's ephemeral ports.
+
+Nothing outlives a lane: its thread, its socket, its entry and the peer's "silent" mark all go
+when it ends, so threads, sockets and entries count the peers notified within the last
+:data:`LANE_IDLE_S`, never every peer ever notified (a pod replaced under a new address leaves
+nothing behind). A silent peer notified again after its lane ended gets every attempt again.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class _Lane:
 
     ready: threading.Condition
     notices: deque[tuple[int, ReadDone]] = field(default_factory=deque)
+    #: the peer left a notice's every attempt unanswered (and has not answered since)
+    silent: bool = False
 
 
 class ReadDoneNotifier:
@@ -53,15 +60,15 @@ class ReadDoneNotifier:
         client: SideChannelClient,
         attempts: int = 4,
         backoff_s: float = 1.0,
-        idle_s: float = LANE_IDLE_S,
+        idle_s: float | None = None,
     ) -> None:
+        """``idle_s``: how long a lane waits for another notice (None: :data:`LANE_IDLE_S`)."""
         self._client = client
         self._attempts = max(1, attempts)
         self._backoff_s = backoff_s
-        self._idle_s = idle_s
+        self._idle_s = LANE_IDLE_S if idle_s is None else idle_s
         self._lock = threading.Lock()
         self._lanes: dict[_Peer, _Lane] = {}  # peers whose lane thread runs
-        self._silent: set[_Peer] = set()  # left a notice's every attempt unanswered
         self._stopped = threading.Event()  # set by shutdown: no new notice, attempt or back-off
 
     def send(self, host: str, port: int, prefill_rank: int, message: ReadDone) -> None:
@@ -101,13 +108,10 @@ class ReadDoneNotifier:
                     del self._lanes[peer]
                     return
                 prefill_rank, message = lane.notices.popleft()
-                attempts = 1 if peer in self._silent else self._attempts
+                attempts = 1 if lane.silent else self._attempts
             answered = self._deliver(*peer, prefill_rank, message, attempts)
             with self._lock:
-                if answered:
-                    self._silent.discard(peer)
-                else:
-                    self._silent.add(peer)
+                lane.silent = not answered
 
     def _deliver(
         self, host: str, port: int, prefill_rank: int, message: ReadDone, attempts: int

@@ -8,6 +8,11 @@ on a transient :class:`~.transport.TransferError` (never on an
 :class:`~.transport.UnsettledTransfer`: a second read would race the bytes still landing), and
 checked against prefill's checksum when ``verify_reads`` is on. Bytes that may postdate the
 lease (the read outlasted it, less a safety margin) are refused.
+
+A circuit is kept while it is open and for ``peer_cooldown_max_s`` after (so a probe that hangs
+again doubles the cool-down), then dropped when another circuit opens: a frozen pod replaced
+under a new address, whose transport session is never read again, leaves no circuit behind, and
+the circuits kept are those opened lately, never one per frozen peer ever seen.
 """
 
 from __future__ import annotations
@@ -135,14 +140,23 @@ class PeerReader:
         for each such read in a row (the one read let through after a cool-down is the probe;
         if it hangs too, the next wait is twice as long), never past ``peer_cooldown_max_s``."""
         terms = self._terms
+        now = time.monotonic()
         with self._lock:
+            # circuits closed this long are forgotten: opening one is rare (an unsettled read)
+            forgotten = [
+                session
+                for session, circuit in self._open_circuits.items()
+                if circuit.until + terms.peer_cooldown_max_s < now
+            ]
+            for session in forgotten:
+                del self._open_circuits[session]
             circuit = self._open_circuits.get(peer.transport_session)
             if circuit is None or circuit.incarnation != peer.incarnation:
                 circuit = _Circuit(peer.incarnation, 0, 0.0)
                 self._open_circuits[peer.transport_session] = circuit
             circuit.strikes += 1
             cooldown = terms.peer_cooldown_s * 2 ** min(circuit.strikes - 1, 32)
-            circuit.until = time.monotonic() + min(cooldown, terms.peer_cooldown_max_s)
+            circuit.until = now + min(cooldown, terms.peer_cooldown_max_s)
 
     def _check_circuit(self, peer: LeasedPeer) -> None:
         """Fail at once while ``peer``'s circuit is open (a read from it never settled); a new

@@ -12,6 +12,12 @@ unreachable host within one side-channel timeout), and a peer that was found clo
 through every attempt is not asked again for ``cooldown_s``, so requests naming it fail at once
 instead of each waiting out the timeouts. A port that accepts the connection but does not answer (a
 frozen or busy worker) is asked again.
+
+Nothing here grows with the prefill workers ever seen (a fleet whose pods are replaced under new
+addresses sees unboundedly many): a peer's metadata not used by a pull for :data:`PEER_IDLE_S`
+is dropped (its next pull fetches it again, one round trip), and a peer's cool-down entry goes
+once it has passed. Both are kept in order of last use (of expiry), so dropping them looks at the
+oldest entries only: a look-up costs O(1), whatever the number of peers.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import errno
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..core.layout import Region
@@ -47,6 +54,10 @@ PEER_COOLDOWN_S = 10.0
 #: decode blocks and a staging area, kept until restart) per this long, not per 10 s plus the
 #: read's timeouts. A read that lands, or a new incarnation of the peer, ends the back-off.
 PEER_COOLDOWN_MAX_S = 640.0
+
+#: A prefill worker's metadata no pull used for this long is dropped: a pod replaced under a new
+#: address leaves nothing behind, and a peer idle that long is fetched again on its next pull.
+PEER_IDLE_S = 600.0
 
 logger = get_logger(__name__)
 
@@ -95,16 +106,45 @@ class PeerDirectory:
         local: WorkerMetadata,
         topology: TransferTopology,
         cooldown_s: float = PEER_COOLDOWN_S,
+        idle_s: float | None = None,
     ) -> None:
+        """``idle_s``: how long an unused peer's metadata is kept (None: :data:`PEER_IDLE_S`)."""
         self._client = client
         self._cooldown_s = cooldown_s
-        #: (host, port) -> (until when requests naming it fail at once, why)
-        self._down: dict[tuple[str, int], tuple[float, str]] = {}
+        self._idle_s = PEER_IDLE_S if idle_s is None else idle_s
+        #: (host, port) -> (until when requests naming it fail at once, why), soonest first
+        self._down: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self._local = local
         #: one topology per prefill TP size met (``topology`` is the configured one)
         self.topologies = Topologies(topology, local_is_decode=True)
-        self._cache: dict[tuple[str, int], PrefillPeer] = {}
+        #: (host, port) -> (the peer, when a pull last used it), least recently used first
+        self._cache: OrderedDict[tuple[str, int], tuple[PrefillPeer, float]] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def num_entries(self) -> int:
+        """Peers whose metadata is kept, and peers cooling down (for tests and metrics)."""
+        with self._lock:
+            return len(self._cache) + len(self._down)
+
+    def _cached(self, key: tuple[str, int]) -> PrefillPeer | None:
+        """``key``'s peer, marked used now; drops peers idle past ``idle_s`` and cool-downs
+        that ended (lock held; O(1) amortized: only the oldest entries are looked at)."""
+        now = time.monotonic()
+        self._forget_idle(now)
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        self._cache[key] = (entry[0], now)
+        self._cache.move_to_end(key)
+        return entry[0]
+
+    def _forget_idle(self, now: float) -> None:
+        cache, down = self._cache, self._down
+        while cache and next(iter(cache.values()))[1] < now - self._idle_s:
+            cache.popitem(last=False)
+        while down and next(iter(down.values()))[0] <= now:
+            down.popitem(last=False)
 
     @property
     def local(self) -> WorkerMetadata:
@@ -122,7 +162,7 @@ class PeerDirectory:
         incompatibility."""
         key = (host, port)
         with self._lock:
-            cached = self._cache.get(key)
+            cached = self._cached(key)
         if cached is not None and _matches(cached.metadata, engine_id, incarnation):
             return cached
         check_address(host, port)  # a malformed address is not asked (nor retried) at all
@@ -152,7 +192,8 @@ class PeerDirectory:
             raise
         peer = PrefillPeer.of(reply, topology)
         with self._lock:
-            self._cache[key] = peer
+            self._cache[key] = (peer, time.monotonic())
+            self._cache.move_to_end(key)
         if cached is None:
             logger.info(
                 "prefill engine %s rank %d at %s:%d paired: %s",
@@ -166,6 +207,7 @@ class PeerDirectory:
 
     def _fail_if_down(self, key: tuple[str, int]) -> None:
         with self._lock:
+            self._forget_idle(time.monotonic())
             until, why = self._down.get(key, (0.0, ""))
         left = until - time.monotonic()
         if left > 0:
@@ -176,6 +218,7 @@ class PeerDirectory:
 
     def _mark_down(self, key: tuple[str, int], why: str) -> None:
         with self._lock:
+            self._down.pop(key, None)  # to the end: entries stay in order of expiry
             self._down[key] = (time.monotonic() + self._cooldown_s, why)
 
     def _probe(self, key: tuple[str, int]) -> None:

@@ -24,8 +24,9 @@ report    ``PullReports.finish``    the last read, or the         ``_reports``: 
 
 A failure in look up, claim or plan gives the pull up (``_give_up``): every rank looked up is
 told to release its hold, and the pull is reported failed. Reads run with one FIFO lane per
-prefill peer: different peers in parallel, one peer strictly in order. All layers of a
-request-peer pair go out as one batched read, split at the descriptor cap. The fix-up runs only
+prefill peer: different peers in parallel, one peer strictly in order (a lane, a look-up lane
+too, exists only while it has work: :mod:`.lanes`). All layers of a request-peer pair go out as
+one batched read, split at the descriptor cap. The fix-up runs only
 once every pull of the request has landed; a partially read request is never fixed up or reported
 loaded. Each peer read gets a read-done notification (success or not) so the prefill side can free
 its blocks.
@@ -71,7 +72,7 @@ from ..timeline import PullTimeline
 from .claims import ClaimExchange
 from .copy_overlap import CopyOverlap
 from .failures import FailureKind, PullError, as_pull_error
-from .lanes import FifoLane
+from .lanes import FifoLanes
 from .leases import HeldBlocks, LeasedPeer, Leases, LeaseTerms, agreed_blocks
 from .notifier import ReadDoneNotifier
 from .orders import PullOrder
@@ -319,10 +320,10 @@ class Receiver:
             ),
             self._reports.check_cancelled,
         )
-        self._lanes_lock = threading.Lock()
-        self._lanes: dict[str, FifoLane] = {}  # reads, by prefill transport session
-        #: peer lookups, by prefill instance (host, first side-channel port)
-        self._lookup_lanes: dict[tuple[str, int], FifoLane] = {}
+        #: reads, by prefill transport session; a lane exists only while it has work
+        self._lanes = FifoLanes(self._pool, self._read_from, options.requests_per_turn)
+        #: peer lookups, by prefill instance (host, first side-channel port); likewise
+        self._lookup_lanes = FifoLanes(self._prepare_pool, self._prepare, options.requests_per_turn)
         self._notifier = ReadDoneNotifier(
             client, attempts=options.notify_attempts, backoff_s=options.notify_backoff_s
         )
@@ -393,21 +394,12 @@ class Receiver:
         while (item := self._queue.get()) is not None:
             pull = item[0]
             try:
-                self._lookup_lane(pull.remote_host, pull.remote_port).push(item)
+                # One lane per prefill instance: a peer that does not answer its metadata
+                # requests holds one planning thread, never all of them, and its other pulls
+                # wait behind it (then fail at once while it is marked down).
+                self._lookup_lanes.push((pull.remote_host, pull.remote_port), item)
             except RuntimeError as exc:  # the pool shut down
                 self._finish(pull, _shutting_down(exc))
-
-    def _lookup_lane(self, host: str, port: int) -> FifoLane:
-        """The lane looking up one prefill instance's ranks: a peer that does not answer its
-        metadata requests holds one planning thread, never all of them, and its other pulls
-        wait behind it (then fail at once while it is marked down)."""
-        with self._lanes_lock:
-            lane = self._lookup_lanes.get((host, port))
-            if lane is None:
-                lane = self._lookup_lanes[(host, port)] = FifoLane(
-                    self._prepare_pool, self._prepare, self._options.requests_per_turn
-                )
-        return lane
 
     def _submit_planning(self, pull: PullOrder, task: Callable[..., None], *args) -> None:
         """Run ``task`` on a planning thread; a pull that cannot get one (shutting down) fails."""
@@ -543,18 +535,11 @@ class Receiver:
         )
         for peer_plan in plan.peers:
             if peer_plan.batches:
-                self._lane(peers[peer_plan.prefill_rank].transport_session).push((state, peer_plan))
+                self._lanes.push(
+                    peers[peer_plan.prefill_rank].transport_session, (state, peer_plan)
+                )
             else:  # nothing to read (decode already caches the prompt): just release
                 self._read_from(state, peer_plan)
-
-    def _lane(self, session: str) -> FifoLane:
-        with self._lanes_lock:
-            lane = self._lanes.get(session)
-            if lane is None:
-                lane = self._lanes[session] = FifoLane(
-                    self._pool, self._read_from, self._options.requests_per_turn
-                )
-        return lane
 
     def _read_from(self, state: _InFlight, peer_plan: PeerPlan) -> None:
         """Read one peer's part of a pull, tell that peer, and complete the pull if it was the

@@ -13,6 +13,18 @@ mistaken for the next answer. A request may carry a tag frame before the empty d
 routing envelope): the reply carries it back, so one socket can have many requests outstanding
 and match each reply to its request (:mod:`.claims` multiplexes read claims that way).
 
+The server keeps a connection per decode socket connected to it; ZMQ drops it when the peer
+closes it, and a peer that vanished without closing (its host gone, a partition) is found by a
+heartbeat: a connection that answers no ZMTP ping within :data:`HEARTBEAT_TIMEOUT_S` is closed,
+so a decode fleet whose pods are replaced leaves no half-open connection (and its descriptor) on
+prefill. The client's sockets do not grow with the peers ever asked (pods replaced under new
+addresses): a thread's socket to a peer it has not asked for :data:`IDLE_PEER_SOCKET_S` is
+closed at that thread's next exchange, at most :data:`MAX_PEER_SOCKETS_PER_THREAD` are kept per
+thread (least recently used go first), a metadata fetch (once per peer) keeps none, and the
+sockets of threads that ended without closing theirs are closed by the next thread that opens
+one (every :data:`REAP_EVERY` sockets opened). Each check looks at the oldest sockets only, so an
+exchange costs O(1) whatever the number of peers.
+
 With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
 both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
 replies keyed apart: a server refuses a request without a valid one (and logs it), a client
@@ -175,6 +187,10 @@ MAX_PARKED = 4096
 DEFERRED_WORKERS = 2
 MAX_DEFERRED = 64
 _POLL_MS = 100
+#: How often the server pings each connected peer (ZMTP heartbeats, answered by the peer's ZMQ
+#: I/O thread, never by its Python code), and how long a connection that answers nothing is kept.
+HEARTBEAT_IVL_S = 10.0
+HEARTBEAT_TIMEOUT_S = 30.0
 #: The wake a finished deferred request sends (parked requests' keys are ``=key`` or ``*``).
 _DONE_WAKE = b"!"
 
@@ -197,6 +213,8 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         # A larger frame makes ZMQ drop that peer's connection before buffering it.
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -393,6 +411,10 @@ def _split_request(frames: list[bytes]) -> tuple[Route, bytes, bytes | None] | N
 
 #: Sockets one thread keeps open to distinct peers (see :meth:`SideChannelClient._socket`).
 MAX_PEER_SOCKETS_PER_THREAD = 16
+#: A thread's socket to a peer it has not asked for this long is closed at its next exchange.
+IDLE_PEER_SOCKET_S = 30.0
+#: Sockets opened between two looks for sockets of threads that ended.
+REAP_EVERY = 64
 
 
 class SideChannelClient:
@@ -404,8 +426,14 @@ class SideChannelClient:
     process), see :meth:`close`.
     """
 
-    def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, secret: bytes | None = None, idle_s: float | None = None
+    ) -> None:
+        """``idle_s``: how long a thread keeps an unused socket (None:
+        :data:`IDLE_PEER_SOCKET_S`)."""
         self._signer = FrameSigner(secret) if secret else None
+        self._idle_s = IDLE_PEER_SOCKET_S if idle_s is None else idle_s
+        self._opened = 0  # sockets opened since the last look for ended threads' sockets
         self._context = zmq.Context.instance()
         self.timeout_s = timeout_s
         self._timeout_ms = int(timeout_s * 1000)
@@ -424,6 +452,14 @@ class SideChannelClient:
         sockets: OrderedDict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault(
             "sockets", OrderedDict()
         )
+        used: dict[tuple[str, int], float] = self._local.__dict__.setdefault("used", {})
+        now = time.monotonic()
+        while sockets:  # least recently used first: stop at the first one still in use
+            oldest = next(iter(sockets))
+            if oldest == peer or used.get(oldest, now) >= now - self._idle_s:
+                break
+            self._drop(oldest, sockets[oldest])
+        used[peer] = now
         sock = sockets.get(peer)
         if sock is not None:
             sockets.move_to_end(peer)
@@ -435,6 +471,10 @@ class SideChannelClient:
         with self._guard:
             if self._closed:
                 raise ClientClosed(f"no exchange with {host}:{port}: the client is closed")
+            self._opened += 1
+            if self._opened >= REAP_EVERY:
+                self._opened = 0
+                self._close_ended_threads_sockets()
             sock = self._context.socket(zmq.DEALER)
             self._all_sockets[sock] = threading.current_thread()
         try:
@@ -445,16 +485,25 @@ class SideChannelClient:
         sockets[peer] = sock
         return sock
 
+    def _close_ended_threads_sockets(self) -> None:
+        """Close the sockets of threads that ended (guard held): no thread polls them."""
+        ended = [sock for sock, thread in self._all_sockets.items() if not thread.is_alive()]
+        for sock in ended:
+            del self._all_sockets[sock]
+            sock.close()
+
     def _drop(self, peer: tuple[str, int], sock: zmq.Socket) -> None:
         """Forget a socket after a failed exchange, so a late reply cannot answer the next one."""
         self._local.sockets.pop(peer, None)
+        self._local.__dict__.get("used", {}).pop(peer, None)
         with self._guard:
             self._all_sockets.pop(sock, None)
         sock.close()
 
-    def request(self, host: str, port: int, message: Message) -> Message:
+    def request(self, host: str, port: int, message: Message, keep_socket: bool = True) -> Message:
         """Send ``message`` and return the reply; raises :class:`SideChannelError`
-        (:class:`BadAddress` when ``host:port`` is no address)."""
+        (:class:`BadAddress` when ``host:port`` is no address). ``keep_socket=False``: close
+        the socket after the exchange (a peer this thread seldom asks: a metadata fetch)."""
         peer = (host, port)
         try:
             sock = self._socket(peer)
@@ -470,6 +519,8 @@ class SideChannelClient:
             if isinstance(exc, SideChannelError):
                 raise
             raise SideChannelError(f"side channel to {host}:{port} failed: {exc}") from exc
+        if not keep_socket:
+            self._drop(peer, sock)
         return refusal_checked(reply, message, host, port)
 
     def request_frames(self, message: Message, tag: bytes | None = None) -> list[bytes]:
@@ -502,7 +553,10 @@ class SideChannelClient:
         return self._context
 
     def fetch_metadata(self, host: str, port: int) -> Message:
-        return self.request(host, port, GetMetadata())
+        """A peer's metadata; no socket is kept: a worker fetches it once per peer and idle
+        window, on whichever planning thread, so a kept socket would cost one per thread and
+        peer until that thread's next exchange."""
+        return self.request(host, port, GetMetadata(), keep_socket=False)
 
     @property
     def closed(self) -> bool:
@@ -524,14 +578,11 @@ class SideChannelClient:
         with self._guard:
             self._closed = True
             current = threading.current_thread()
-            done = [
-                sock
-                for sock, thread in self._all_sockets.items()
-                if thread is current or not thread.is_alive()
-            ]
-            for sock in done:
+            mine = [sock for sock, thread in self._all_sockets.items() if thread is current]
+            for sock in mine:
                 del self._all_sockets[sock]
                 sock.close()
+            self._close_ended_threads_sockets()
         if self._all_sockets:
             logger.debug(
                 "side-channel client closed; %d socket(s) left to their running threads",
