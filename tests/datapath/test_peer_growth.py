@@ -22,7 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_receiver import FAST, HOST, PROMPT_TOKENS, Decode, Prefill
+from receiver_cluster import FAST, HOST, PROMPT_TOKENS, Decode, Prefill
 
 from vam_testing.kv_reference import ReferenceKV
 from vam_testing.waiting import wait_until
