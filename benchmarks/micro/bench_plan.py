@@ -23,12 +23,13 @@ from benchmarks.common import (
     add_json_arg,
     add_repeats_arg,
     add_request_shape_args,
+    against_memcpy,
     best_of,
+    kv_layouts,
     make_parser,
     place_regions,
     write_json,
 )
-from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.plan import PlanOptions, StagingArea, plan_request
 from vllm_ascend_mooncake.core.relayout import LocalMemory, apply_swaps
 from vllm_ascend_mooncake.core.topology import TransferTopology
@@ -48,23 +49,6 @@ class Row:
     fixup_gbps: float | None = None
     memcpy_gbps: float | None = None
     fixup_vs_memcpy: float | None = None
-
-
-def layouts_for(kind: str, layers: int, heads: int, block: int, head_dim: int, blocks: int):
-    if kind == "head_major_fused":
-        layout = RegionLayout(
-            BlockOrder.HEAD_MAJOR,
-            blocks,
-            heads * block * 2 * head_dim * 2,
-            heads,
-            block,
-            2 * head_dim * 2,
-        )
-        return [layout] * layers
-    layout = RegionLayout(
-        BlockOrder.TOKEN_MAJOR, blocks, heads * block * head_dim * 2, heads, block, head_dim * 2
-    )
-    return [layout] * (2 * layers)
 
 
 def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
@@ -96,11 +80,12 @@ def main() -> int:
             topo = TransferTopology(args.kv_heads, prefill_tp, decode_tp)
             remote_heads = topo.prefill_heads_per_rank
             local_heads = topo.decode_heads_per_rank
-            local_layouts = layouts_for(
-                kind, args.layers, local_heads, args.block_size, args.head_dim, pool_blocks
+            head_major = kind == "head_major_fused"
+            local_layouts = kv_layouts(
+                head_major, args.layers, local_heads, args.block_size, args.head_dim, pool_blocks
             )
-            remote_layouts = layouts_for(
-                kind, args.layers, remote_heads, args.block_size, args.head_dim, pool_blocks
+            remote_layouts = kv_layouts(
+                head_major, args.layers, remote_heads, args.block_size, args.head_dim, pool_blocks
             )
             remote = {p: place_regions(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
             for table in ("contiguous", "fragmented"):
@@ -158,12 +143,7 @@ def measure_fixup(
     plan = plan_request(topo, 0, 0, local, remote, local_ids, remote_ids, options)
     memory = LocalMemory([memory_tensor])
     fix_s = best_of(lambda: apply_swaps(memory, plan.fixups), repeats)
-    src = torch.randint(0, 256, (fix_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_s = best_of(lambda: dst.copy_(src), repeats)
-    row.fixup_gbps = fix_bytes / fix_s / 1e9
-    row.memcpy_gbps = fix_bytes / copy_s / 1e9
-    row.fixup_vs_memcpy = copy_s / fix_s
+    row.fixup_gbps, row.memcpy_gbps, row.fixup_vs_memcpy = against_memcpy(fix_bytes, fix_s, repeats)
 
 
 def print_row(row: Row) -> None:

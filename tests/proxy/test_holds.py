@@ -19,7 +19,7 @@ from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.proxy import continued_route, holds
+from vllm_ascend_mooncake.proxy import continued_route, holds, overlapped_route, serial_route
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
 
 HOST = "127.0.0.1"
@@ -331,6 +331,35 @@ def test_a_client_that_leaves_before_prefills_token_frees_what_prefill_holds(
                 json={**body, "stream": True},
                 timeout=httpx.Timeout(30, read=1.0),
             )
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
+
+
+@pytest.mark.parametrize("route", ["overlapped", "serial"])
+def test_a_client_that_leaves_before_prefills_answer_is_read_frees_what_prefill_holds(
+    start_proxy, monkeypatch, route: str
+) -> None:
+    """The same window on the routes where decode samples the first token: prefill ended its
+    one-token request and held the KV under the proxy's transfer id, the proxy had not read its
+    answer yet, and the client hung up then. The proxy drops the hold as the client leaves
+    (where it knows the engine's address: a first answer taught it)."""
+    transfer_ids = iter(["taught", "t"])  # the first request teaches the address
+    for module in (overlapped_route, serial_route):
+        monkeypatch.setattr(module, "new_transfer_id", lambda request_id: next(transfer_ids))
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        prefill.hands_off_like_the_connector = True
+        prefill.side_channel_port = port
+        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        proxy = start_proxy(urls[:1], urls[1:], overlap_legs=route == "overlapped")
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        assert proxy.post("/v1/completions", json=body).is_success  # a serial request
+        prefill.answer_gate.clear()  # prefill's answer does not reach the proxy
+        stack.callback(prefill.answer_gate.set)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            proxy.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        assert prefill.generation_requests()[-1].body["kv_transfer_params"]["transfer_id"] == "t"
         freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
         assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
 
