@@ -56,32 +56,55 @@ def make_requests(case: CaseSpec, rng: random.Random, count: int) -> list[Reques
     requests = []
     for i in range(count):
         n = rng.randint(1, 6)
-        style = i % 3
-        if style == 0:  # contiguous on both sides
-            start = rng.randint(0, case.prefill_blocks - n)
-            remote = list(range(start, start + n))
-            local = list(range(cursor, cursor + n))
-            cursor += n
-        elif style == 1:  # fragmented on both sides
-            remote = rng.sample(range(case.prefill_blocks), n)
-            local = rng.sample(range(cursor, cursor + 2 * n), n)
-            cursor += 2 * n
-        else:  # decode already caches a prefix: it reads only the suffix
-            remote = rng.sample(range(case.prefill_blocks), n)
-            hit = rng.randint(0, n)
-            local = list(range(cursor, cursor + n - hit))
-            cursor += n - hit
-        assert cursor <= case.decode_blocks
-        requests.append(
-            RequestSpec(
-                request_id=f"{case.name}-d{i}",
-                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
-                local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote),
-                early=i % 2 == 1,
-            )
-        )
+        # style 2: decode already caches a prefix (of 0 to n blocks), it reads only the suffix
+        remote, local, cursor = draw_tables(case, rng, i % 3, cursor, (n, n), (0, n))
+        requests.append(request_spec(case, rng, i, remote, local))
     return requests
+
+
+def draw_tables(
+    case: CaseSpec,
+    rng: random.Random,
+    style: int,
+    cursor: int,
+    counts: tuple[int, int],
+    hits: tuple[int, int],
+) -> tuple[list[int], list[int], int]:
+    """A request's prefill and decode block ids (``counts`` of them), contiguous on both sides
+    (``style`` 0), fragmented on both (1), or with a prefix of ``hits`` (bounds) decode blocks
+    cached on decode (2), which decode does not read; decode's ids from ``cursor`` on, and the
+    cursor past them."""
+    prefill_count, decode_count = counts
+    if style == 0:
+        start = rng.randint(0, case.prefill_blocks - prefill_count)
+        remote = list(range(start, start + prefill_count))
+        local = list(range(cursor, cursor + decode_count))
+        cursor += decode_count
+    elif style == 1:
+        remote = rng.sample(range(case.prefill_blocks), prefill_count)
+        local = rng.sample(range(cursor, cursor + 2 * decode_count), decode_count)
+        cursor += 2 * decode_count
+    else:
+        remote = rng.sample(range(case.prefill_blocks), prefill_count)
+        hit = rng.randint(*hits)
+        local = list(range(cursor, cursor + decode_count - hit))
+        cursor += decode_count - hit
+    assert cursor <= case.decode_blocks
+    return remote, local, cursor
+
+
+def request_spec(
+    case: CaseSpec, rng: random.Random, i: int, remote: list[int], local: list[int], **fields
+) -> RequestSpec:
+    """The ``i``-th request of ``case`` (every other one admitted before prefill finished)."""
+    return RequestSpec(
+        request_id=f"{case.name}-d{i}",
+        transfer_id=f"{case.name}-req-{i}-{rng.random()}",
+        local_block_ids=tuple(local),
+        remote_block_ids=tuple(remote),
+        early=i % 2 == 1,
+        **fields,
+    )
 
 
 def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
@@ -175,32 +198,11 @@ def make_mixed_requests(case: CaseSpec, rng: random.Random, count: int) -> list[
     for i in range(count):
         style = i % 3
         tokens = rng.randint(bd + 1 if style == 2 else 1, 4 * max(bp, bd))
-        prefill_blocks, decode_blocks = case.prompt_blocks(tokens)
-        if style == 0:  # contiguous on both sides
-            start = rng.randint(0, case.prefill_blocks - prefill_blocks)
-            remote = list(range(start, start + prefill_blocks))
-            local = list(range(cursor, cursor + decode_blocks))
-            cursor += decode_blocks
-        elif style == 1:  # fragmented on both sides
-            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
-            local = rng.sample(range(cursor, cursor + 2 * decode_blocks), decode_blocks)
-            cursor += 2 * decode_blocks
-        else:  # decode already caches at least one whole block: it reads only the suffix
-            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
-            hit = rng.randint(1, decode_blocks - 1)
-            local = list(range(cursor, cursor + decode_blocks - hit))
-            cursor += decode_blocks - hit
-        assert cursor <= case.decode_blocks
-        requests.append(
-            RequestSpec(
-                request_id=f"{case.name}-d{i}",
-                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
-                local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote),
-                early=i % 2 == 1,
-                prompt_tokens=tokens,
-            )
-        )
+        counts = case.prompt_blocks(tokens)
+        # style 2: decode already caches at least one whole block, it reads only the suffix
+        hits = (1, counts[1] - 1)
+        remote, local, cursor = draw_tables(case, rng, style, cursor, counts, hits)
+        requests.append(request_spec(case, rng, i, remote, local, prompt_tokens=tokens))
     return requests
 
 
