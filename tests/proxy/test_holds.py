@@ -14,10 +14,10 @@ import pytest
 from fake_vllm import FakeVllm
 from loopback_server import serve_on_loopback
 
+from vam_testing.datapath_cases import worker_metadata
 from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.proxy import continued_route, holds, overlapped_route, serial_route
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
@@ -47,18 +47,7 @@ def serving_prefill(
 ) -> Iterator[tuple[SendTracker, int]]:
     port = free_port_range(1)
     tracker = SendTracker(TransferTopology(4, 1, 1), 0, release_timeout_s)
-    metadata = WorkerMetadata(
-        engine_id="prefill",
-        incarnation="i",
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        pp_size=1,
-        transport_session="s",
-        identity=ModelIdentity("m", "float32", "auto", 32, 64, 4, 2, False),
-        regions=[],
-    )
+    metadata = worker_metadata(engine_id="prefill", transport_session="s")
     sender = PrefillSender(metadata, tracker, HOST, port)
     tracker.hold(transfer_id)
     try:
