@@ -50,6 +50,16 @@ def add_json_arg(parser: argparse.ArgumentParser, what: str = "the results") -> 
     parser.add_argument("--json", type=Path, default=None, help=f"write {what} as JSON here")
 
 
+def request_rows_args(module: str, doc: str | None) -> argparse.Namespace:
+    """The command line of a benchmark that measures one request's shape in rows: the shape,
+    ``--repeats`` (best of 3) and ``--json`` for the rows."""
+    parser = make_parser(module, doc)
+    add_request_shape_args(parser)
+    add_repeats_arg(parser, 3, "best of")
+    add_json_arg(parser, "the rows")
+    return parser.parse_args()
+
+
 def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
     """Write ``payload`` as indented JSON (its folder created if needed); return the path."""
     path = Path(path)

@@ -21,14 +21,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import (
-    add_json_arg,
-    add_repeats_arg,
-    add_request_shape_args,
     against_memcpy,
     best_of,
     kv_layouts,
-    make_parser,
     place_regions,
+    request_rows_args,
     write_json,
 )
 from vllm_ascend_mooncake.core.packing import chunk_packing
@@ -82,11 +79,7 @@ def local_work_bytes(plan: RequestPlan) -> int:
 
 
 def main() -> int:
-    parser = make_parser("benchmarks.micro.bench_block_sizes", __doc__)
-    add_request_shape_args(parser)
-    add_repeats_arg(parser, 3, "best of")
-    add_json_arg(parser, "the rows")
-    args = parser.parse_args()
+    args = request_rows_args("benchmarks.micro.bench_block_sizes", __doc__)
     rng = np.random.default_rng(0)
     bd = args.block_size
     rows: list[Row] = []

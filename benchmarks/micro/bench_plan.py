@@ -20,14 +20,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import (
-    add_json_arg,
-    add_repeats_arg,
-    add_request_shape_args,
     against_memcpy,
     best_of,
     kv_layouts,
-    make_parser,
     place_regions,
+    request_rows_args,
     write_json,
 )
 from vllm_ascend_mooncake.core.plan import PlanOptions, StagingArea, plan_request
@@ -63,11 +60,7 @@ def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
 
 
 def main() -> int:
-    parser = make_parser("benchmarks.micro.bench_plan", __doc__)
-    add_request_shape_args(parser)
-    add_repeats_arg(parser, 3, "best of")
-    add_json_arg(parser, "the rows")
-    args = parser.parse_args()
+    args = request_rows_args("benchmarks.micro.bench_plan", __doc__)
 
     num_blocks = args.tokens // args.block_size
     pool_blocks = 2 * num_blocks
