@@ -360,6 +360,9 @@ def test_a_client_that_leaves_before_prefills_answer_is_read_frees_what_prefill_
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
             proxy.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
         assert prefill.generation_requests()[-1].body["kv_transfer_params"]["transfer_id"] == "t"
+        later = [r.body["kv_transfer_params"] for r in decode.generation_requests()[1:]]
+        # overlapped: decode's leg went out before prefill answered (then closed); serial: none
+        assert [p["remote_request_id"] for p in later] == (["t"] if route == "overlapped" else [])
         freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
         assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
 
