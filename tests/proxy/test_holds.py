@@ -343,9 +343,9 @@ def test_a_client_that_leaves_before_prefills_answer_is_read_frees_what_prefill_
     one-token request and held the KV under the proxy's transfer id, the proxy had not read its
     answer yet, and the client hung up then. The proxy drops the hold as the client leaves
     (where it knows the engine's address: a first answer taught it)."""
-    transfer_ids = iter(["taught", "t"])  # the first request teaches the address
-    for module in (overlapped_route, serial_route):
-        monkeypatch.setattr(module, "new_transfer_id", lambda request_id: next(transfer_ids))
+    serial_ids = iter(["taught", "t"])  # the first request (serial) teaches the address
+    monkeypatch.setattr(serial_route, "new_transfer_id", lambda request_id: next(serial_ids))
+    monkeypatch.setattr(overlapped_route, "new_transfer_id", lambda request_id: "t")
     with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
         prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
