@@ -50,6 +50,16 @@ def add_json_arg(parser: argparse.ArgumentParser, what: str = "the results") -> 
     parser.add_argument("--json", type=Path, default=None, help=f"write {what} as JSON here")
 
 
+def request_rows_args(module: str, doc: str | None) -> argparse.Namespace:
+    """The command line of a benchmark that measures one request's shape in rows: the shape,
+    ``--repeats`` (best of 3) and ``--json`` for the rows."""
+    parser = make_parser(module, doc)
+    add_request_shape_args(parser)
+    add_repeats_arg(parser, 3, "best of")
+    add_json_arg(parser, "the rows")
+    return parser.parse_args()
+
+
 def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
     """Write ``payload`` as indented JSON (its folder created if needed); return the path."""
     path = Path(path)
@@ -91,3 +101,51 @@ def place_regions(layouts: Sequence[Any], base: int) -> list[Any]:
         regions.append(Region(f"r{i}", base + offset, layout))
         offset += layout.span_bytes
     return regions
+
+
+def kv_layouts(
+    head_major: bool,
+    layers: int,
+    heads: int,
+    block: int,
+    head_dim: int,
+    blocks: int,
+    *,
+    element: int = 2,
+    packing: Any = None,
+) -> list[Any]:
+    """One rank's KV cache layouts, ``layers`` layers of ``blocks`` blocks: vLLM's fused
+    head-major view (one region per layer, K|V in the content axis; ``packing``: how a chunk's
+    bytes are ordered, see ``core.packing``) or separate token-major K and V tensors (two
+    regions per layer)."""
+    from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
+
+    if head_major:
+        width = 2 * head_dim * element
+        layout = RegionLayout(
+            BlockOrder.HEAD_MAJOR,
+            blocks,
+            heads * block * width,
+            heads,
+            block,
+            width,
+            packing=packing,
+        )
+        return [layout] * layers
+    width = head_dim * element
+    layout = RegionLayout(
+        BlockOrder.TOKEN_MAJOR, blocks, heads * block * width, heads, block, width
+    )
+    return [layout] * (2 * layers)
+
+
+def against_memcpy(nbytes: int, seconds: float, repeats: int) -> tuple[float, float, float]:
+    """Work on ``nbytes`` that took ``seconds`` against a plain copy of as many bytes, measured
+    now (best of ``repeats``): the work's GB/s, the copy's GB/s, and the copy's time over the
+    work's (above 1: the work is faster)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_s = best_of(lambda: dst.copy_(src), repeats)
+    return nbytes / seconds / 1e9, nbytes / copy_s / 1e9, copy_s / seconds

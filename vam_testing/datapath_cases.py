@@ -11,13 +11,15 @@ token the transfer moves in its slot, :meth:`ReferencePrompt.place`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_ascend_mooncake.core.layout import ChunkPacking
+from vllm_ascend_mooncake.core.layout import ChunkPacking, Region
 from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.topology import TransferTopology
+from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
 
 from .kv_caches import CACHE_LAYOUTS
 from .kv_reference import ReferenceKV, ReferencePrompt
@@ -25,6 +27,36 @@ from .kv_reference import ReferenceKV, ReferencePrompt
 #: vLLM CPU's ISA kernels whose head-major chunk packing is described
 #: (:mod:`vllm_ascend_mooncake.core.packing`).
 CPU_PACKINGS = ("vec", "vec16", "amx")
+
+
+#: A tiny model's identity, for workers whose KV geometry nobody checks.
+TINY_IDENTITY = ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False)
+
+
+def worker_metadata(
+    regions: Iterable[Region] = (),
+    *,
+    identity: ModelIdentity = TINY_IDENTITY,
+    engine_id: str = "e",
+    incarnation: str = "i",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    transport_session: str = "127.0.0.1:1",
+) -> WorkerMetadata:
+    """What a worker of one data-parallel rank and one pipeline stage advertises, for a prefill
+    served on loopback or a peer's metadata to check."""
+    return WorkerMetadata(
+        engine_id=engine_id,
+        incarnation=incarnation,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=0,
+        dp_size=1,
+        pp_size=1,
+        transport_session=transport_session,
+        identity=identity,
+        regions=[RegionInfo.of(region) for region in regions],
+    )
 
 
 def _cdiv(a: int, b: int) -> int:

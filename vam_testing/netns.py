@@ -34,10 +34,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from vllm_ascend_mooncake.launch.deployment import Host
+from vllm_ascend_mooncake.launch.servers import StartedInContext
 
 from . import child_env
 
@@ -109,7 +109,7 @@ class LinkSettings:
     rate_mbit: float | None = None  # per direction; None: no cap
 
 
-class TwoHostNetwork:
+class TwoHostNetwork(StartedInContext):
     """The namespaces, links and relay described in the module docstring; a context manager.
 
     :attr:`prefill` and :attr:`decode` are the two hosts as
@@ -316,18 +316,8 @@ class TwoHostNetwork:
             self._created = False
         shutil.rmtree(self._workdir, ignore_errors=True)
 
-    def __enter__(self) -> TwoHostNetwork:
-        try:
-            self.create()
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _start(self) -> None:
+        self.create()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def _stop(self) -> None:
         self.close()

@@ -14,7 +14,9 @@ memory, padding and other blocks included; prefill's memories are never written.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -111,6 +113,21 @@ class PullCase:
     def cached_blocks(self) -> int:
         """Decode blocks of the prompt already cached on decode (not pulled)."""
         return cdiv(self.prompt_tokens, self.decode_block) - len(self.local_ids)
+
+
+def equal_blocks(
+    kind: str,
+    heads: int,
+    tps: tuple[int, int],
+    block: int,
+    remote_ids: Iterable[int],
+    local_ids: Iterable[int],
+    **fields: Any,
+) -> PullCase:
+    """A :class:`PullCase` at ``tps`` (prefill TP, decode TP) whose prefill and decode blocks
+    both hold ``block`` tokens; ``fields``: the rest, where not :class:`PullCase`'s defaults."""
+    ids = list(remote_ids), list(local_ids)
+    return PullCase(heads, *tps, kind, block, block, *ids, **fields)
 
 
 def draw_block_ids(rng: np.random.Generator, count: int, total: int, style: str) -> list[int]:

@@ -21,15 +21,13 @@ import numpy as np
 import torch
 
 from benchmarks.common import (
-    add_json_arg,
-    add_repeats_arg,
-    add_request_shape_args,
+    against_memcpy,
     best_of,
-    make_parser,
+    kv_layouts,
     place_regions,
+    request_rows_args,
     write_json,
 )
-from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.plan import PlanOptions, RequestPlan, StagingArea, plan_request
 from vllm_ascend_mooncake.core.relayout import LocalMemory, apply_row_copies, apply_swaps
@@ -60,18 +58,11 @@ class Row:
 
 def layouts_for(kind: str, layers: int, heads: int, block: int, head_dim: int, blocks: int):
     if kind == "token_major_split_kv":
-        width = head_dim * ELEMENT
-        layout = RegionLayout(
-            BlockOrder.TOKEN_MAJOR, blocks, heads * block * width, heads, block, width
-        )
-        return [layout] * (2 * layers)
-    isa = kind.split("_")[1]
-    width = 2 * head_dim * ELEMENT
-    packing = chunk_packing(f"CPU_ATTN/{isa}", "auto", head_dim, ELEMENT)
-    layout = RegionLayout(
-        BlockOrder.HEAD_MAJOR, blocks, heads * block * width, heads, block, width, packing=packing
+        return kv_layouts(False, layers, heads, block, head_dim, blocks, element=ELEMENT)
+    packing = chunk_packing(f"CPU_ATTN/{kind.split('_')[1]}", "auto", head_dim, ELEMENT)
+    return kv_layouts(
+        True, layers, heads, block, head_dim, blocks, element=ELEMENT, packing=packing
     )
-    return [layout] * layers
 
 
 def block_ids(count: int, pool: int, table: str, rng: np.random.Generator) -> list[int]:
@@ -88,11 +79,7 @@ def local_work_bytes(plan: RequestPlan) -> int:
 
 
 def main() -> int:
-    parser = make_parser("benchmarks.micro.bench_block_sizes", __doc__)
-    add_request_shape_args(parser)
-    add_repeats_arg(parser, 3, "best of")
-    add_json_arg(parser, "the rows")
-    args = parser.parse_args()
+    args = request_rows_args("benchmarks.micro.bench_block_sizes", __doc__)
     rng = np.random.default_rng(0)
     bd = args.block_size
     rows: list[Row] = []
@@ -167,12 +154,8 @@ def measure(args, kind, bp, prefill_tp, decode_tp, table, staging, rng) -> Row:
             apply_swaps(memory, mixed.fixups)
 
         work_s = best_of(local_work, args.repeats)
-        src = torch.empty(work, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        copy_s = best_of(lambda: dst.copy_(src), args.repeats)
-        row.local_gbps = work / work_s / 1e9
-        row.memcpy_gbps = work / copy_s / 1e9
-        row.local_vs_memcpy = copy_s / work_s
+        measured = against_memcpy(work, work_s, args.repeats)
+        row.local_gbps, row.memcpy_gbps, row.local_vs_memcpy = measured
     return row
 
 

@@ -19,11 +19,11 @@ import threading
 import time
 
 from benchmarks.common import add_json_arg, make_parser, write_json
+from vam_testing.datapath_cases import worker_metadata
 from vllm_ascend_mooncake.connector.config import ConnectorConfig
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.prefill_service import PrefillSender
 from vllm_ascend_mooncake.datapath.sender import SendTracker
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
 from vllm_ascend_mooncake.options import default_of
 from vllm_ascend_mooncake.proxy import holds
@@ -39,17 +39,8 @@ def prefill_workers(tp: int, transfers: int, release_timeout_s: float) -> tuple[
     senders = []
     for rank in range(tp):
         tracker = SendTracker(TransferTopology(4, tp, 1), rank, release_timeout_s)
-        metadata = WorkerMetadata(
-            engine_id="prefill",
-            incarnation="i",
-            tp_rank=rank,
-            tp_size=tp,
-            dp_rank=0,
-            dp_size=1,
-            pp_size=1,
-            transport_session="s",
-            identity=ModelIdentity("m", "float32", "auto", 32, 64, 4, 2, False),
-            regions=[],
+        metadata = worker_metadata(
+            engine_id="prefill", tp_rank=rank, tp_size=tp, transport_session="s"
         )
         senders.append(PrefillSender(metadata, tracker, HOST, port + rank))
         for index in range(transfers):

@@ -20,15 +20,13 @@ import numpy as np
 import torch
 
 from benchmarks.common import (
-    add_json_arg,
-    add_repeats_arg,
-    add_request_shape_args,
+    against_memcpy,
     best_of,
-    make_parser,
+    kv_layouts,
     place_regions,
+    request_rows_args,
     write_json,
 )
-from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
 from vllm_ascend_mooncake.core.plan import PlanOptions, StagingArea, plan_request
 from vllm_ascend_mooncake.core.relayout import LocalMemory, apply_swaps
 from vllm_ascend_mooncake.core.topology import TransferTopology
@@ -50,23 +48,6 @@ class Row:
     fixup_vs_memcpy: float | None = None
 
 
-def layouts_for(kind: str, layers: int, heads: int, block: int, head_dim: int, blocks: int):
-    if kind == "head_major_fused":
-        layout = RegionLayout(
-            BlockOrder.HEAD_MAJOR,
-            blocks,
-            heads * block * 2 * head_dim * 2,
-            heads,
-            block,
-            2 * head_dim * 2,
-        )
-        return [layout] * layers
-    layout = RegionLayout(
-        BlockOrder.TOKEN_MAJOR, blocks, heads * block * head_dim * 2, heads, block, head_dim * 2
-    )
-    return [layout] * (2 * layers)
-
-
 def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
     if kind == "contiguous":
         return list(range(num_blocks)), list(range(num_blocks))
@@ -79,11 +60,7 @@ def block_tables(num_blocks: int, kind: str, rng: np.random.Generator):
 
 
 def main() -> int:
-    parser = make_parser("benchmarks.micro.bench_plan", __doc__)
-    add_request_shape_args(parser)
-    add_repeats_arg(parser, 3, "best of")
-    add_json_arg(parser, "the rows")
-    args = parser.parse_args()
+    args = request_rows_args("benchmarks.micro.bench_plan", __doc__)
 
     num_blocks = args.tokens // args.block_size
     pool_blocks = 2 * num_blocks
@@ -96,11 +73,12 @@ def main() -> int:
             topo = TransferTopology(args.kv_heads, prefill_tp, decode_tp)
             remote_heads = topo.prefill_heads_per_rank
             local_heads = topo.decode_heads_per_rank
-            local_layouts = layouts_for(
-                kind, args.layers, local_heads, args.block_size, args.head_dim, pool_blocks
+            head_major = kind == "head_major_fused"
+            local_layouts = kv_layouts(
+                head_major, args.layers, local_heads, args.block_size, args.head_dim, pool_blocks
             )
-            remote_layouts = layouts_for(
-                kind, args.layers, remote_heads, args.block_size, args.head_dim, pool_blocks
+            remote_layouts = kv_layouts(
+                head_major, args.layers, remote_heads, args.block_size, args.head_dim, pool_blocks
             )
             remote = {p: place_regions(remote_layouts, (p + 1) << 40) for p in range(prefill_tp)}
             for table in ("contiguous", "fragmented"):
@@ -158,12 +136,7 @@ def measure_fixup(
     plan = plan_request(topo, 0, 0, local, remote, local_ids, remote_ids, options)
     memory = LocalMemory([memory_tensor])
     fix_s = best_of(lambda: apply_swaps(memory, plan.fixups), repeats)
-    src = torch.randint(0, 256, (fix_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_s = best_of(lambda: dst.copy_(src), repeats)
-    row.fixup_gbps = fix_bytes / fix_s / 1e9
-    row.memcpy_gbps = fix_bytes / copy_s / 1e9
-    row.fixup_vs_memcpy = copy_s / fix_s
+    row.fixup_gbps, row.memcpy_gbps, row.fixup_vs_memcpy = against_memcpy(fix_bytes, fix_s, repeats)
 
 
 def print_row(row: Row) -> None:

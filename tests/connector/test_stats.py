@@ -39,7 +39,10 @@ def test_worker_stats_aggregate_and_reduce() -> None:
     assert summary["Avg descriptors per pull"] == 12.0
 
 
-def test_prometheus_metrics_follow_observations() -> None:
+def registered_metrics(
+    per_engine_labels: dict[int, list[str]],
+) -> tuple[prometheus_client.CollectorRegistry, TransferPromMetrics]:
+    """The connector's Prometheus metrics (label ``engine``) in a registry of their own."""
     registry = prometheus_client.CollectorRegistry()
 
     def bind(cls):
@@ -54,7 +57,11 @@ def test_prometheus_metrics_follow_observations() -> None:
     class Config:
         kv_transfer_config = None
 
-    metrics = TransferPromMetrics(Config(), types, ["engine"], {0: ["0"]})
+    return registry, TransferPromMetrics(Config(), types, ["engine"], per_engine_labels)
+
+
+def test_prometheus_metrics_follow_observations() -> None:
+    registry, metrics = registered_metrics({0: ["0"]})
     stats = TransferStats()
     stats.record_pull(0.02, 4096, 3, {"grant_wait": 0.04, "read": 0.003})
     stats.record_failure(FailureKind.PEER_UNAVAILABLE)
@@ -85,21 +92,7 @@ def test_prometheus_metrics_follow_observations() -> None:
 
 
 def test_unpairable_prefill_engines_are_counted_once_each_under_a_bounded_label() -> None:
-    registry = prometheus_client.CollectorRegistry()
-
-    def bind(cls):
-        class Bound(cls):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, registry=registry, **kwargs)
-
-        return Bound
-
-    types = {Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)}
-
-    class Config:
-        kv_transfer_config = None
-
-    metrics = TransferPromMetrics(Config(), types, ["engine"], {0: ["0"], 1: ["1"]})
+    registry, metrics = registered_metrics({0: ["0"], 1: ["1"]})
     name = "vllm:mooncake_hetero_unpairable_prefill_engines_total"
     stats = TransferStats()
     stats.record_unpairable("prefill-a", "kv cache dtype bfloat16 differs from float16")

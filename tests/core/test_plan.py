@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from vam_testing.kv_reference import LAYOUT_KINDS
-from vam_testing.plan_simulator import PullCase, simulate_pull
+from vam_testing.plan_simulator import PullCase, equal_blocks, simulate_pull
 from vllm_ascend_mooncake.core.layout import BlockOrder, LayoutError, Region, RegionLayout
 from vllm_ascend_mooncake.core.plan import PlanError, plan_request
 from vllm_ascend_mooncake.core.topology import TopologyError, TransferTopology
@@ -87,24 +87,12 @@ def test_plan_reproduces_reference_bytes(case: tuple[PullCase, int]) -> None:
 )
 @pytest.mark.parametrize("coalesce", [True, False])
 def test_every_layout_and_tp_pair_with_runs_and_prefix_hit(kind, tps, coalesce) -> None:
-    prefill_tp, decode_tp = tps
+    decode_tp = tps[1]
     heads = 1 if kind == "latent" else 4
-    sc = PullCase(
-        heads=heads,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        kind=kind,
-        num_layers=2,
-        prefill_block=4,
-        decode_block=4,
-        head_token_bytes=4,
-        remote_blocks=12,
-        local_blocks=14,
-        remote_ids=[3, 4, 5, 6, 0, 9, 10, 2],  # runs of 4, 1, 2, 1
-        local_ids=[8, 9, 10, 1, 5, 6, 13],  # prefix hit: one block fewer
-        coalesce_runs=coalesce,
-        staging_blocks=3,
-    )
+    remote_ids = [3, 4, 5, 6, 0, 9, 10, 2]  # runs of 4, 1, 2, 1
+    local_ids = [8, 9, 10, 1, 5, 6, 13]  # prefix hit: one block fewer
+    sc = equal_blocks(kind, heads, tps, 4, remote_ids, local_ids, num_layers=2, remote_blocks=12)
+    sc.local_blocks, sc.coalesce_runs, sc.staging_blocks = 14, coalesce, 3
     for decode_rank in range(decode_tp):
         simulate_pull(sc, decode_rank)
 
@@ -138,20 +126,7 @@ def test_worked_example_h8_tp4_td2_split_kv_bf16() -> None:
 
 
 def test_worked_example_h2_tp4_td1_two_replicas() -> None:
-    sc = PullCase(
-        heads=2,
-        prefill_tp=4,
-        decode_tp=1,
-        kind="split_kv",
-        num_layers=1,
-        prefill_block=8,
-        decode_block=8,
-        head_token_bytes=4,
-        remote_blocks=4,
-        local_blocks=8,
-        remote_ids=[1, 3],
-        local_ids=[5, 6],
-    )
+    sc = equal_blocks("split_kv", 2, (4, 1), 8, [1, 3], [5, 6], remote_blocks=4, local_blocks=8)
     plan = simulate_pull(sc, 0)
     ranks = [peer.prefill_rank for peer in plan.peers]
     assert len(ranks) == 2 and ranks[0] in (0, 1) and ranks[1] in (2, 3)
@@ -159,20 +134,9 @@ def test_worked_example_h2_tp4_td1_two_replicas() -> None:
 
 def merge_one_run_case() -> PullCase:
     """TP 4 -> 1 head-major merge of one 32-block run (3 layers, 2 heads per prefill rank)."""
-    return PullCase(
-        heads=8,
-        prefill_tp=4,
-        decode_tp=1,
-        kind="fused_head_major",
-        num_layers=3,
-        prefill_block=2,
-        decode_block=2,
-        head_token_bytes=2,
-        remote_blocks=40,
-        local_blocks=40,
-        remote_ids=list(range(0, 32)),
-        local_ids=list(range(8, 40)),
-    )
+    case = equal_blocks("fused_head_major", 8, (4, 1), 2, range(0, 32), range(8, 40))
+    case.num_layers, case.head_token_bytes, case.remote_blocks, case.local_blocks = 3, 2, 40, 40
+    return case
 
 
 def test_run_level_coalescing_scales_with_runs_not_blocks() -> None:
@@ -202,21 +166,8 @@ def test_large_head_major_blocks_are_read_block_by_block() -> None:
 
 
 def test_descriptor_cap_splits_batches() -> None:
-    sc = PullCase(
-        heads=4,
-        prefill_tp=2,
-        decode_tp=4,
-        kind="fused_head_major",
-        num_layers=2,
-        prefill_block=2,
-        decode_block=2,
-        head_token_bytes=2,
-        remote_blocks=10,
-        local_blocks=10,
-        remote_ids=list(range(10)),
-        local_ids=list(range(10)),
-        cap=7,
-    )
+    sc = equal_blocks("fused_head_major", 4, (2, 4), 2, range(10), range(10), cap=7)
+    sc.num_layers, sc.head_token_bytes, sc.remote_blocks, sc.local_blocks = 2, 2, 10, 10
     plan = simulate_pull(sc, 1)
     assert [len(b) for b in plan.peers[0].batches] == [7, 7, 6]
 

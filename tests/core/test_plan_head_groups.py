@@ -16,6 +16,7 @@ from vam_testing.plan_simulator import (
     PullCase,
     cdiv,
     draw_block_ids,
+    equal_blocks,
     simulate_pull,
 )
 from vllm_ascend_mooncake.core.layout import BlockOrder, RegionLayout
@@ -173,23 +174,10 @@ def test_every_tp_pair_every_rank_every_replica(kind: str, heads: tuple[int, int
     for prefill_tp, decode_tp, seed in itertools.product(TPS, TPS, range(3)):
         if not pairable(*heads, prefill_tp, decode_tp, kind == "latent"):
             continue
-        case = PullCase(
-            heads=heads[0],
-            prefill_tp=prefill_tp,
-            decode_tp=decode_tp,
-            kind=kind,
-            num_layers=2,
-            draft_heads=heads[1],
-            draft_position=1,
-            prefill_block=2,
-            decode_block=2,
-            remote_ids=[4, 1, 2, 3],
-            local_ids=[3, 0, 1],
-            remote_blocks=6,
-            local_blocks=5,
-            staging_blocks=2,
-            seed=seed,
-        )
+        tps = (prefill_tp, decode_tp)
+        case = equal_blocks(kind, heads[0], tps, 2, [4, 1, 2, 3], [3, 0, 1], seed=seed)
+        case.num_layers, case.draft_heads, case.draft_position = 2, heads[1], 1
+        case.remote_blocks, case.local_blocks, case.staging_blocks = 6, 5, 2
         for decode_rank in range(decode_tp):
             check_peers(case, decode_rank)
         served += 1
@@ -205,18 +193,7 @@ def test_a_decode_rank_reads_a_prefill_rank_only_its_draft_layers_need() -> None
     assert seeds, "some seed must pick the other replica"
     seed = seeds[0]
     assert topology.readers_of(1, seed) == (0, 1)
-    case = PullCase(
-        heads=8,
-        prefill_tp=8,
-        decode_tp=8,
-        kind="fused_head_major",
-        draft_heads=4,
-        prefill_block=2,
-        decode_block=2,
-        remote_ids=[0, 1],
-        local_ids=[1, 0],
-        seed=seed,
-    )
+    case = equal_blocks("fused_head_major", 8, (8, 8), 2, [0, 1], [1, 0], draft_heads=4, seed=seed)
     plan = simulate_pull(case, 0)
     assert [p.prefill_rank for p in plan.peers] == [0, 1]
     by_rank = {p.prefill_rank: p for p in plan.peers}

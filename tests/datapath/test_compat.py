@@ -5,11 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from vam_testing.datapath_cases import worker_metadata
 from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
 from vllm_ascend_mooncake.core.packing import chunk_packing
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.compat import IncompatiblePeerError, check_peer
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, RegionInfo, WorkerMetadata
+from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 
 IDENTITY = ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False)
 
@@ -33,21 +34,10 @@ def metadata(
         layouts[-1] = RegionLayout(
             order, 8, held * tokens * 256, held, tokens, 256, packing=packing, kv_heads=total
         )
-    return WorkerMetadata(
-        engine_id="e",
-        incarnation="i",
-        tp_rank=0,
-        tp_size=tp,
-        dp_rank=0,
-        dp_size=1,
-        pp_size=1,
-        transport_session="127.0.0.1:1",
-        identity=identity,
-        regions=[
-            RegionInfo.of(Region(n, 4096 * i, lay))
-            for i, (n, lay) in enumerate(zip(names, layouts, strict=True))
-        ],
-    )
+    regions = [
+        Region(n, 4096 * i, lay) for i, (n, lay) in enumerate(zip(names, layouts, strict=True))
+    ]
+    return worker_metadata(regions, identity=identity, tp_size=tp)
 
 
 TOPO = TransferTopology(4, 2, 1)
@@ -120,18 +110,7 @@ def ascend_mla_metadata(tp: int, widths=(512, 64)) -> WorkerMetadata:
         for part, width in zip(("nope", "rope"), widths, strict=True):
             layout = RegionLayout(BlockOrder.LATENT, 8, 16 * width * 2, 1, 16, width * 2)
             regions.append(Region(f"layer.{layer}.{part}", 1 << (20 + len(regions)), layout))
-    return WorkerMetadata(
-        engine_id="e",
-        incarnation="i",
-        tp_rank=0,
-        tp_size=tp,
-        dp_rank=0,
-        dp_size=1,
-        pp_size=1,
-        transport_session="127.0.0.1:1",
-        identity=MLA_IDENTITY,
-        regions=[RegionInfo.of(r) for r in regions],
-    )
+    return worker_metadata(regions, identity=MLA_IDENTITY, tp_size=tp)
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4)])

@@ -15,6 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vam_testing.datapath_cases import worker_metadata
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
 from vllm_ascend_mooncake.datapath.side_channel import PeerRefused, SideChannelClient
@@ -24,9 +25,7 @@ from vllm_ascend_mooncake.datapath.wire import (
     ClaimRead,
     ClaimReply,
     GetMetadata,
-    ModelIdentity,
     ReadDone,
-    WorkerMetadata,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
 
@@ -41,18 +40,7 @@ class Prefill:
 
     def __init__(self) -> None:
         self.tracker = SendTracker(TransferTopology(4, 1, 2), 0, 30.0)
-        metadata = WorkerMetadata(
-            engine_id="e",
-            incarnation=INCARNATION,
-            tp_rank=0,
-            tp_size=1,
-            dp_rank=0,
-            dp_size=1,
-            pp_size=1,
-            transport_session="127.0.0.1:1",
-            identity=ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False),
-            regions=[],
-        )
+        metadata = worker_metadata(incarnation=INCARNATION)
         self.port = free_port_range(1)
         self.sender = PrefillSender(metadata, self.tracker, "127.0.0.1", self.port)
         self.client = SideChannelClient(timeout_s=5)

@@ -56,32 +56,55 @@ def make_requests(case: CaseSpec, rng: random.Random, count: int) -> list[Reques
     requests = []
     for i in range(count):
         n = rng.randint(1, 6)
-        style = i % 3
-        if style == 0:  # contiguous on both sides
-            start = rng.randint(0, case.prefill_blocks - n)
-            remote = list(range(start, start + n))
-            local = list(range(cursor, cursor + n))
-            cursor += n
-        elif style == 1:  # fragmented on both sides
-            remote = rng.sample(range(case.prefill_blocks), n)
-            local = rng.sample(range(cursor, cursor + 2 * n), n)
-            cursor += 2 * n
-        else:  # decode already caches a prefix: it reads only the suffix
-            remote = rng.sample(range(case.prefill_blocks), n)
-            hit = rng.randint(0, n)
-            local = list(range(cursor, cursor + n - hit))
-            cursor += n - hit
-        assert cursor <= case.decode_blocks
-        requests.append(
-            RequestSpec(
-                request_id=f"{case.name}-d{i}",
-                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
-                local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote),
-                early=i % 2 == 1,
-            )
-        )
+        # style 2: decode already caches a prefix (of 0 to n blocks), it reads only the suffix
+        remote, local, cursor = draw_tables(case, rng, i % 3, cursor, (n, n), (0, n))
+        requests.append(request_spec(case, rng, i, remote, local))
     return requests
+
+
+def draw_tables(
+    case: CaseSpec,
+    rng: random.Random,
+    style: int,
+    cursor: int,
+    counts: tuple[int, int],
+    hits: tuple[int, int],
+) -> tuple[list[int], list[int], int]:
+    """A request's prefill and decode block ids (``counts`` of them), contiguous on both sides
+    (``style`` 0), fragmented on both (1), or with a prefix of ``hits`` (bounds) decode blocks
+    cached on decode (2), which decode does not read; decode's ids from ``cursor`` on, and the
+    cursor past them."""
+    prefill_count, decode_count = counts
+    if style == 0:
+        start = rng.randint(0, case.prefill_blocks - prefill_count)
+        remote = list(range(start, start + prefill_count))
+        local = list(range(cursor, cursor + decode_count))
+        cursor += decode_count
+    elif style == 1:
+        remote = rng.sample(range(case.prefill_blocks), prefill_count)
+        local = rng.sample(range(cursor, cursor + 2 * decode_count), decode_count)
+        cursor += 2 * decode_count
+    else:
+        remote = rng.sample(range(case.prefill_blocks), prefill_count)
+        hit = rng.randint(*hits)
+        local = list(range(cursor, cursor + decode_count - hit))
+        cursor += decode_count - hit
+    assert cursor <= case.decode_blocks
+    return remote, local, cursor
+
+
+def request_spec(
+    case: CaseSpec, rng: random.Random, i: int, remote: list[int], local: list[int], **fields
+) -> RequestSpec:
+    """The ``i``-th request of ``case`` (every other one admitted before prefill finished)."""
+    return RequestSpec(
+        request_id=f"{case.name}-d{i}",
+        transfer_id=f"{case.name}-req-{i}-{rng.random()}",
+        local_block_ids=tuple(local),
+        remote_block_ids=tuple(remote),
+        early=i % 2 == 1,
+        **fields,
+    )
 
 
 def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
@@ -118,20 +141,24 @@ def run_case(workers, case: CaseSpec, requests: list[RequestSpec]):
     return outcomes, finished
 
 
+def seeded_case(
+    name: str, heads: int, prefill_tp: int, decode_tp: int, layout: str, **fields
+) -> CaseSpec:
+    """A case on free ports, its seed drawn from its name (``hash()`` differs per interpreter
+    start)."""
+    seed = zlib.crc32(name.encode()) % 1000
+    base_port = free_port_range(prefill_tp)
+    return CaseSpec(
+        name, heads, prefill_tp, decode_tp, layout, seed=seed, base_port=base_port, **fields
+    )
+
+
 @pytest.mark.parametrize("name,heads,prefill_tp,decode_tp,layout", CASES)
 def test_pulls_are_byte_exact_and_every_prefill_rank_finishes_once(
     workers, name, heads, prefill_tp, decode_tp, layout
 ):
-    case = CaseSpec(
-        name=name,
-        heads=heads,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        layout=layout,
-        base_port=free_port_range(prefill_tp),
-        seed=zlib.crc32(name.encode()) % 1000,  # hash() differs per interpreter start
-        staging_bytes=3 * 4 * 16 * 64,  # a few prefill blocks: forces several staging rounds
-    )
+    # a few prefill blocks of staging: forces several staging rounds
+    case = seeded_case(name, heads, prefill_tp, decode_tp, layout, staging_bytes=3 * 4 * 16 * 64)
     requests = make_requests(case, random.Random(case.seed), 6)
     outcomes, finished = run_case(workers, case, requests)
     for rank, outcome in enumerate(outcomes):
@@ -171,32 +198,11 @@ def make_mixed_requests(case: CaseSpec, rng: random.Random, count: int) -> list[
     for i in range(count):
         style = i % 3
         tokens = rng.randint(bd + 1 if style == 2 else 1, 4 * max(bp, bd))
-        prefill_blocks, decode_blocks = case.prompt_blocks(tokens)
-        if style == 0:  # contiguous on both sides
-            start = rng.randint(0, case.prefill_blocks - prefill_blocks)
-            remote = list(range(start, start + prefill_blocks))
-            local = list(range(cursor, cursor + decode_blocks))
-            cursor += decode_blocks
-        elif style == 1:  # fragmented on both sides
-            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
-            local = rng.sample(range(cursor, cursor + 2 * decode_blocks), decode_blocks)
-            cursor += 2 * decode_blocks
-        else:  # decode already caches at least one whole block: it reads only the suffix
-            remote = rng.sample(range(case.prefill_blocks), prefill_blocks)
-            hit = rng.randint(1, decode_blocks - 1)
-            local = list(range(cursor, cursor + decode_blocks - hit))
-            cursor += decode_blocks - hit
-        assert cursor <= case.decode_blocks
-        requests.append(
-            RequestSpec(
-                request_id=f"{case.name}-d{i}",
-                transfer_id=f"{case.name}-req-{i}-{rng.random()}",
-                local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote),
-                early=i % 2 == 1,
-                prompt_tokens=tokens,
-            )
-        )
+        counts = case.prompt_blocks(tokens)
+        # style 2: decode already caches at least one whole block, it reads only the suffix
+        hits = (1, counts[1] - 1)
+        remote, local, cursor = draw_tables(case, rng, style, cursor, counts, hits)
+        requests.append(request_spec(case, rng, i, remote, local, prompt_tokens=tokens))
     return requests
 
 
@@ -212,6 +218,17 @@ def assert_clean_pulls(case, requests, outcomes, finished) -> None:
         assert report["expired"] == 0
 
 
+def mixed_case(
+    name: str, heads: int, tps: tuple[int, int], layout: str, blocks: tuple[int, int], **fields
+) -> CaseSpec:
+    """:func:`seeded_case` with ``blocks`` (prefill's, decode's) tokens per block, staging a few
+    prefill blocks at a time (several staging rounds)."""
+    prefill_block, decode_block = blocks
+    staging = 3 * 4 * 32 * 64
+    fields.update(block_size=decode_block, prefill_block_size=prefill_block, staging_bytes=staging)
+    return seeded_case(name, heads, *tps, layout, **fields)
+
+
 @pytest.mark.parametrize("prefill_block,decode_block", MIXED_BLOCKS)
 @pytest.mark.parametrize("prefill_tp,decode_tp", MIXED_TPS)
 @pytest.mark.parametrize("layout,heads,cpu_packing", MIXED_LAYOUTS)
@@ -224,19 +241,8 @@ def test_blocks_of_different_sizes_land_token_by_token_between_processes(
     keep their bytes, cached decode prefixes are not read, and each prefill rank reports each
     request finished exactly once."""
     name = f"mixed-{layout}-{prefill_tp}-{decode_tp}-{prefill_block}-{decode_block}"
-    case = CaseSpec(
-        name=name,
-        heads=heads,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        layout=layout,
-        block_size=decode_block,
-        prefill_block_size=prefill_block,
-        cpu_packing=cpu_packing,
-        base_port=free_port_range(prefill_tp),
-        seed=zlib.crc32(name.encode()) % 1000,
-        staging_bytes=3 * 4 * 32 * 64,  # a few prefill blocks: several staging rounds
-    )
+    tps, blocks = (prefill_tp, decode_tp), (prefill_block, decode_block)
+    case = mixed_case(name, heads, tps, layout, blocks, cpu_packing=cpu_packing)
     requests = make_mixed_requests(case, random.Random(case.seed), 6)
     assert any(
         r.local_block_ids and len(r.local_block_ids) < case.prompt_blocks(r.num_prompt_tokens)[1]
@@ -265,31 +271,18 @@ def test_verified_pulls_over_mooncake_pass_their_checksums(
     """``verify_reads`` over real Mooncake between processes: every batch's landed bytes match
     prefill's checksum (merges, slices, MLA latents, staged rows), so the check never fails a
     right pull; the bytes are also compared with the reference as in every other case."""
-    case = CaseSpec(
-        name=name,
-        heads=heads,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        layout=layout,
-        block_size=decode_block,
-        prefill_block_size=prefill_block,
-        cpu_packing=cpu_packing,
-        base_port=free_port_range(prefill_tp),
-        seed=zlib.crc32(name.encode()) % 1000,
-        staging_bytes=3 * 4 * 32 * 64,
-        verify_reads=True,
-    )
+    tps, blocks = (prefill_tp, decode_tp), (prefill_block, decode_block)
+    case = mixed_case(name, heads, tps, layout, blocks, cpu_packing=cpu_packing, verify_reads=True)
     requests = make_mixed_requests(case, random.Random(case.seed), 6)
     outcomes, finished = run_case(workers, case, requests)
     assert_clean_pulls(case, requests, outcomes, finished)
 
 
-def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> None:
-    """kill -9 a prefill worker while decode reads from it (about 200,000 tiny descriptors keep
-    the read in flight for seconds): the request fails within the transport's timeout, no
-    byte outside its blocks changes, and decode reads from a restarted worker afterwards."""
-    case = CaseSpec(
-        name="kill-mid-transfer",
+def slow_read_case(name: str) -> CaseSpec:
+    """Prefill TP 2 -> decode TP 1 whose 96-block read takes seconds (about 200,000 tiny
+    descriptors), long enough to kill or freeze a prefill worker while decode reads from it."""
+    return CaseSpec(
+        name=name,
         heads=4,
         prefill_tp=2,
         decode_tp=1,
@@ -303,18 +296,34 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> 
         max_descriptor_bytes=128,  # ~200,000 descriptors: the read takes seconds
         base_port=free_port_range(2),
     )
+
+
+def start_slow_read(
+    case: CaseSpec, prefill: list[WorkerProcess], decode: WorkerProcess
+) -> tuple[RequestSpec, float]:
+    """Set ``case`` up on the workers, hold its 96 blocks on both prefill ranks and send decode's
+    pull of them; returns the request and when the pull was sent, 0.3 s into its read."""
+    for rank in range(2):
+        prefill[rank].call("setup_prefill", case, rank)
+    decode.call("setup_decode", case, 0)
+    big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
+    for worker in prefill:
+        worker.call("hold", [big])
+    started = time.monotonic()
+    decode.send("pull", [big], 120.0)
+    time.sleep(0.3)
+    return big, started
+
+
+def test_prefill_killed_mid_transfer_fails_the_request_and_decode_recovers() -> None:
+    """kill -9 a prefill worker while decode reads from it (about 200,000 tiny descriptors keep
+    the read in flight for seconds): the request fails within the transport's timeout, no
+    byte outside its blocks changes, and decode reads from a restarted worker afterwards."""
+    case = slow_read_case("kill-mid-transfer")
     prefill = [WorkerProcess(), WorkerProcess()]
     decode = WorkerProcess()
     try:
-        for rank in range(2):
-            prefill[rank].call("setup_prefill", case, rank)
-        decode.call("setup_decode", case, 0)
-        big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
-        for worker in prefill:
-            worker.call("hold", [big])
-        started = time.monotonic()
-        decode.send("pull", [big], 120.0)
-        time.sleep(0.3)
+        _, started = start_slow_read(case, prefill, decode)
         prefill[1].process.kill()
         outcome = decode.receive(180)
         elapsed = time.monotonic() - started
@@ -410,21 +419,7 @@ def test_a_read_outliving_the_timeout_is_reported_only_once_no_byte_can_land() -
     (no decode byte may change after the report), or, once the peer answers again, loaded
     with the right bytes. Reporting it at the timeout let late bytes land in blocks vLLM had
     already recomputed or reused: wrong tokens."""
-    case = CaseSpec(
-        name="frozen-mid-read",
-        heads=4,
-        prefill_tp=2,
-        decode_tp=1,
-        layout="vllm_head_major",
-        num_layers=4,
-        block_size=64,
-        head_size=64,
-        prefill_blocks=96,
-        decode_blocks=100,
-        coalesce_runs=False,
-        max_descriptor_bytes=128,  # ~200,000 descriptors: the read takes seconds
-        base_port=free_port_range(2),
-    )
+    case = slow_read_case("frozen-mid-read")
     timeout_s, thaw_after_s = 5, 12.0  # Mooncake's minimum timeout; thaw after it fired
     saved = os.environ.get("MC_TRANSFER_TIMEOUT")
     os.environ["MC_TRANSFER_TIMEOUT"] = str(timeout_s)
@@ -438,15 +433,7 @@ def test_a_read_outliving_the_timeout_is_reported_only_once_no_byte_can_land() -
             os.environ["MC_TRANSFER_TIMEOUT"] = saved
     frozen = prefill[1].process.pid
     try:
-        for rank in range(2):
-            prefill[rank].call("setup_prefill", case, rank)
-        decode.call("setup_decode", case, 0)
-        big = RequestSpec("big", "big-transfer", tuple(range(96)), tuple(range(96)))
-        for worker in prefill:
-            worker.call("hold", [big])
-        started = time.monotonic()
-        decode.send("pull", [big], 120.0)
-        time.sleep(0.3)
+        _, started = start_slow_read(case, prefill, decode)
         os.kill(frozen, signal.SIGSTOP)
         thaw = threading.Timer(thaw_after_s - 0.3, os.kill, (frozen, signal.SIGCONT))
         thaw.start()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from vam_testing.datapath_cases import worker_metadata
 from vllm_ascend_mooncake.core import digest
 from vllm_ascend_mooncake.core.layout import BlockOrder, Region, RegionLayout
 from vllm_ascend_mooncake.core.relayout import LocalMemory
@@ -35,11 +36,8 @@ from vllm_ascend_mooncake.datapath.wire import (
     ClaimRead,
     ClaimReply,
     GetMetadata,
-    ModelIdentity,
     ReadDigest,
     ReadDone,
-    RegionInfo,
-    WorkerMetadata,
 )
 from vllm_ascend_mooncake.launch.ports import free_port_range
 
@@ -177,18 +175,7 @@ def test_a_checksum_under_way_delays_no_claim_or_notice() -> None:
     memory = SlowMemory([cache])
     region = Region("k", cache.data_ptr(), LAYOUT)
     tracker = SendTracker(TransferTopology(2, 1, 1), 0, 30.0)
-    metadata = WorkerMetadata(
-        engine_id="e",
-        incarnation="p",
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        pp_size=1,
-        transport_session="127.0.0.1:1",
-        identity=ModelIdentity("tiny", "float32", "auto", 32, 64, 4, 2, False),
-        regions=[RegionInfo.of(region)],
-    )
+    metadata = worker_metadata([region], incarnation="p")
     port = free_port_range(1)
     sender = PrefillSender(metadata, tracker, "127.0.0.1", port, memory=memory)
     verifier, other = SideChannelClient(timeout_s=30), SideChannelClient(timeout_s=2)

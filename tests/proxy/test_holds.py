@@ -14,12 +14,12 @@ import pytest
 from fake_vllm import FakeVllm
 from loopback_server import serve_on_loopback
 
+from vam_testing.datapath_cases import worker_metadata
 from vam_testing.waiting import wait_until
 from vllm_ascend_mooncake.core.topology import TransferTopology
 from vllm_ascend_mooncake.datapath.sender import PrefillSender, SendTracker
-from vllm_ascend_mooncake.datapath.wire import ModelIdentity, WorkerMetadata
 from vllm_ascend_mooncake.launch.ports import free_port_range
-from vllm_ascend_mooncake.proxy import continued_route, holds
+from vllm_ascend_mooncake.proxy import continued_route, holds, overlapped_route, serial_route
 from vllm_ascend_mooncake.proxy.holds import HoldKeeper
 
 HOST = "127.0.0.1"
@@ -47,18 +47,7 @@ def serving_prefill(
 ) -> Iterator[tuple[SendTracker, int]]:
     port = free_port_range(1)
     tracker = SendTracker(TransferTopology(4, 1, 1), 0, release_timeout_s)
-    metadata = WorkerMetadata(
-        engine_id="prefill",
-        incarnation="i",
-        tp_rank=0,
-        tp_size=1,
-        dp_rank=0,
-        dp_size=1,
-        pp_size=1,
-        transport_session="s",
-        identity=ModelIdentity("m", "float32", "auto", 32, 64, 4, 2, False),
-        regions=[],
-    )
+    metadata = worker_metadata(engine_id="prefill", transport_session="s")
     sender = PrefillSender(metadata, tracker, HOST, port)
     tracker.hold(transfer_id)
     try:
@@ -194,7 +183,7 @@ def test_a_client_that_leaves_before_decode_read_frees_prefills_hold(start_proxy
         prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
         decode.answer_gate.clear()  # the decode request waits in decode's queue
         stack.callback(decode.answer_gate.set)
-        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        urls = serve(stack, prefill, decode)
         proxy = start_proxy(urls[:1], urls[1:], overlap_legs=False)
         body = {"model": "m", "prompt": "hi", "max_tokens": 4}
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
@@ -216,6 +205,36 @@ def counting_drops(tracker: SendTracker) -> list[str]:
     return dropped
 
 
+def serve(stack: ExitStack, *fakes: FakeVllm) -> list[str]:
+    """The fakes served on loopback until ``stack`` closes: their URLs."""
+    return [stack.enter_context(serve_on_loopback(fake.app())) for fake in fakes]
+
+
+def connector_fakes(port: int) -> tuple[FakeVllm, FakeVllm]:
+    """A prefill and a decode that answer as the connector's engines, prefill's side channel
+    on ``port``."""
+    prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+    for fake in (prefill, decode):
+        fake.generates = fake.hands_off_like_the_connector = True
+    prefill.side_channel_port = port
+    return prefill, decode
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def after_a_whole_prefill_leg(
+    start_proxy, stack: ExitStack, port: int
+) -> tuple[FakeVllm, FakeVllm, httpx.Client]:
+    """:func:`connector_fakes` behind a proxy on the continued route, after one chat request
+    whose whole prefill leg taught the proxy prefill's address (later legs stream)."""
+    prefill, decode = connector_fakes(port)
+    urls = serve(stack, prefill, decode)
+    proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
+    assert proxy.post("/v1/chat/completions", json=CHAT).is_success
+    return prefill, decode, proxy
+
+
 @pytest.mark.parametrize("route", ["serial", "continued"])
 def test_a_client_that_leaves_a_streamed_answer_frees_prefills_hold_once(
     start_proxy, route: str
@@ -227,16 +246,14 @@ def test_a_client_that_leaves_a_streamed_answer_frees_prefills_hold_once(
     transfer_id = "t" if route == "serial" else "prefill-request"
     with serving_prefill(60.0, transfer_id) as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
-        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
         if route == "serial":
+            prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
             prefill.kv_transfer_params = {**params(port), "remote_block_ids": [1, 2]}
         else:  # the continued route's first request: a whole prefill leg, the connector's params
-            for fake in (prefill, decode):
-                fake.generates = fake.hands_off_like_the_connector = True
-            prefill.side_channel_port = port
+            prefill, decode = connector_fakes(port)
         decode.stream_gate.clear()  # decode's stream begins, then stalls
         stack.callback(decode.stream_gate.set)
-        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        urls = serve(stack, prefill, decode)
         proxy = start_proxy(
             urls[:1],
             urls[1:],
@@ -264,12 +281,9 @@ def test_a_prompt_that_leaves_room_for_one_token_frees_prefills_hold(start_proxy
     max_model_len (test_continuation.py), so the KV prefill held for decode is freed at once."""
     with serving_prefill(60.0, "prefill-request") as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
-        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
-        for fake in (prefill, decode):
-            fake.generates = fake.hands_off_like_the_connector = True
-            fake.max_model_len = 16
-        prefill.side_channel_port = port
-        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
+        prefill, decode = connector_fakes(port)
+        prefill.max_model_len = decode.max_model_len = 16
+        urls = serve(stack, prefill, decode)
         proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
         body = {"model": "m", "prompt": "x" * 14, "max_tokens": 4}  # BOS and 14: 15 tokens
         answer = proxy.post("/v1/completions", json=body).json()
@@ -289,16 +303,9 @@ def test_a_streamed_prefill_leg_cut_short_frees_what_prefill_holds(
     monkeypatch.setattr(continued_route, "new_transfer_id", lambda request_id: "t")
     with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
-        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
-        for fake in (prefill, decode):
-            fake.generates = fake.hands_off_like_the_connector = True
-        prefill.side_channel_port = port
-        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
-        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        assert proxy.post("/v1/chat/completions", json=body).is_success  # a whole prefill leg
+        prefill, decode, proxy = after_a_whole_prefill_leg(start_proxy, stack, port)
         prefill.stream_ends_early = "cut"  # after the role chunk, before the token
-        streamed = proxy.post("/v1/chat/completions", json={**body, "stream": True})
+        streamed = proxy.post("/v1/chat/completions", json={**CHAT, "stream": True})
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         assert "kv_transfer_params" not in decode.generation_requests()[-1].body
         freed = wait_until(tracker.take_finished, "prefill frees what it held", 10)
@@ -315,22 +322,47 @@ def test_a_client_that_leaves_before_prefills_token_frees_what_prefill_holds(
     monkeypatch.setattr(continued_route, "new_transfer_id", lambda request_id: "t")
     with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
         dropped = counting_drops(tracker)
-        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
-        for fake in (prefill, decode):
-            fake.generates = fake.hands_off_like_the_connector = True
-        prefill.side_channel_port = port
-        urls = [stack.enter_context(serve_on_loopback(fake.app())) for fake in (prefill, decode)]
-        proxy = start_proxy(urls[:1], urls[1:], first_token="prefill")
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        assert proxy.post("/v1/chat/completions", json=body).is_success  # a whole prefill leg
+        prefill, _, proxy = after_a_whole_prefill_leg(start_proxy, stack, port)
         prefill.stream_gate.clear()  # the streamed leg stalls after its role chunk
         stack.callback(prefill.stream_gate.set)
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
             proxy.post(
                 "/v1/chat/completions",
-                json={**body, "stream": True},
+                json={**CHAT, "stream": True},
                 timeout=httpx.Timeout(30, read=1.0),
             )
+        freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
+        assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
+
+
+@pytest.mark.parametrize("route", ["overlapped", "serial"])
+def test_a_client_that_leaves_before_prefills_answer_is_read_frees_what_prefill_holds(
+    start_proxy, monkeypatch, route: str
+) -> None:
+    """The same window on the routes where decode samples the first token: prefill ended its
+    one-token request and held the KV under the proxy's transfer id, the proxy had not read its
+    answer yet, and the client hung up then. The proxy drops the hold as the client leaves
+    (where it knows the engine's address: a first answer taught it)."""
+    serial_ids = iter(["taught", "t"])  # the first request (serial) teaches the address
+    monkeypatch.setattr(serial_route, "new_transfer_id", lambda request_id: next(serial_ids))
+    monkeypatch.setattr(overlapped_route, "new_transfer_id", lambda request_id: "t")
+    with serving_prefill(60.0) as (tracker, port), ExitStack() as stack:
+        dropped = counting_drops(tracker)
+        prefill, decode = FakeVllm("prefill"), FakeVllm("decode")
+        prefill.hands_off_like_the_connector = True
+        prefill.side_channel_port = port
+        urls = serve(stack, prefill, decode)
+        proxy = start_proxy(urls[:1], urls[1:], overlap_legs=route == "overlapped")
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        assert proxy.post("/v1/completions", json=body).is_success  # a serial request
+        prefill.answer_gate.clear()  # prefill's answer does not reach the proxy
+        stack.callback(prefill.answer_gate.set)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            proxy.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        assert prefill.generation_requests()[-1].body["kv_transfer_params"]["transfer_id"] == "t"
+        later = [r.body["kv_transfer_params"] for r in decode.generation_requests()[1:]]
+        # overlapped: decode's leg went out before prefill answered (then closed); serial: none
+        assert [p["remote_request_id"] for p in later] == (["t"] if route == "overlapped" else [])
         freed = wait_until(tracker.take_finished, "prefill frees the abandoned hold", 10)
         assert freed == {"t"} and dropped == ["t"] and tracker.take_expired_count() == 0
 

@@ -23,7 +23,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from ..connector.config import ConnectorConfig
@@ -32,6 +31,7 @@ from ..options import default_of
 from .ports import free_port, free_port_range
 from .prometheus import metric_samples, metric_sum, metrics_text
 from .servers import (
+    StartedInContext,
     VllmServer,
     start_helper,
     start_servers,
@@ -130,7 +130,7 @@ def _data_parallel_args(dp_size: int) -> tuple[str, ...]:
     return ("--data-parallel-size", str(dp_size), "--data-parallel-rpc-port", str(free_port()))
 
 
-class LocalDeployment:
+class LocalDeployment(StartedInContext):
     """Prefill + decode + proxy: on 127.0.0.1, or on the given hosts (the proxy beside decode)."""
 
     def __init__(
@@ -370,20 +370,10 @@ class LocalDeployment:
                 counts[labels["kind"]] = counts.get(labels["kind"], 0) + round(value)
         return counts
 
-    def __enter__(self) -> LocalDeployment:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def _start(self) -> None:
+        self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def _stop(self) -> None:
         self.stop()
 
 

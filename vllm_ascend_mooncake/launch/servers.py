@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
 
 from .engine_env import apply_engine_env
 from .ports import free_port
@@ -54,6 +54,36 @@ _LOG_TAIL_BYTES = 6000
 
 class ServerError(RuntimeError):
     """A vLLM server failed to start, to become ready, or to stop."""
+
+
+_Started = TypeVar("_Started", bound="StartedInContext")
+
+
+class StartedInContext:
+    """A context manager over :meth:`_start` and :meth:`_stop`: entering starts, and a start
+    that fails part way stops what it left behind before the error goes on; leaving stops."""
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Started) -> _Started:
+        try:
+            self._start()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._stop()
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -165,7 +195,7 @@ def stop_all(
             raise ServerError("; ".join(errors))
 
 
-class VllmServer:
+class VllmServer(StartedInContext):
     """One ``vllm serve`` process tree on loopback, started in its own process group.
 
     Use as a context manager (start, wait until ``/health`` answers, stop on exit), or call
@@ -377,19 +407,9 @@ class VllmServer:
         except OSError as exc:
             return f"<cannot read {self.log_path}: {exc}>"
 
-    def __enter__(self) -> VllmServer:
+    def _start(self) -> None:
         self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self.wait_ready()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def _stop(self) -> None:
         self.stop()

@@ -61,9 +61,13 @@ class OverlappedRoute:
         if isinstance(answered, Response):
             await self.pool.abandon(decode_leg)
             return answered
-        decode_leg = await self._resend_if_elsewhere(
-            decode_leg, answered, prefill_upstream, choice, request, transfer_id
-        )
+        try:
+            decode_leg = await self._resend_if_elsewhere(
+                decode_leg, answered, prefill_upstream, choice, request, transfer_id
+            )
+        except asyncio.CancelledError:  # the client left: nobody will read what prefill holds
+            self.pool.drop_hold(answered)
+            raise
         keeping = self.pool.keep_hold(answered)
         decode_upstream, decode_response = await self.pool.until_answered(keeping, decode_leg)
         request.trace.mark("decode_answered")
@@ -111,6 +115,7 @@ class OverlappedRoute:
                 request.path,
                 request.headers,
                 overlapped_prefill_body(request.body, transfer_id),
+                held_as=transfer_id,  # a client that hangs up before it is read frees it
             )
         except NO_ANSWER_FAILURES as error:
             self.pool.forget(prefill_upstream)

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from ..handoff import TRANSFER_ID_KEY, awaited_prefill_params
 from .balancer import Balancer, Upstream
 from .client_request import ClientRequest
 from .errors import error_response
@@ -86,27 +87,52 @@ class InstancePool:
         path: str,
         headers: dict[str, str],
         json_body: dict[str, Any],
+        held_as: str | None = None,
     ) -> httpx.Response:
-        """One prefill leg on ``upstream``, pinned to ``choice``'s engine, read to the end."""
-        response = await self.open_prefill(upstream, choice, path, headers, json_body)
+        """One prefill leg on ``upstream``, pinned to ``choice``'s engine, read to the end.
+        ``held_as``: the transfer id the body asks prefill to hold the KV under; a client that
+        hangs up before the answer is read (prefill may hold it already, and nobody will read
+        it) frees that hold where the engine's address is known."""
+        try:
+            response = await self.open_prefill(upstream, choice, path, headers, json_body)
+        except asyncio.CancelledError:
+            self._drop_unread(choice, held_as)
+            raise
         try:
             return await self._upstreams.read_all(self._prefill, upstream, response)
+        except asyncio.CancelledError:
+            self._drop_unread(choice, held_as)
+            raise
         finally:
             self.prefill_ranks.finished(upstream.url, choice)
 
+    def _drop_unread(self, choice: RankChoice, held_as: str | None) -> None:
+        """Free what prefill may hold under ``held_as`` (a drop that comes before the hold is
+        remembered there); nothing where the engine's address is not known."""
+        if held_as is not None and choice.address is not None:
+            self.drop_hold(awaited_prefill_params(choice.address, held_as))
+
     async def fetch_prefill(
-        self, path: str, headers: dict[str, str], json_body: dict[str, Any]
+        self,
+        path: str,
+        headers: dict[str, str],
+        json_body: dict[str, Any],
+        held_as: str | None = None,
     ) -> tuple[Upstream, httpx.Response]:
         """A prefill leg on the best instance that answers, each pinned to the engine the
-        proxy picks there (one whose address it has yet to learn, if any), read to the end."""
-        return await self._upstreams.first_that_connects(
-            self._prefill,
-            "POST",
-            path,
-            lambda upstream: self.prefill_leg(
-                upstream, self.prefill_ranks.choose(upstream.url), path, headers, json_body
-            ),
-        )
+        proxy picks there (one whose address it has yet to learn, if any), read to the end.
+        ``held_as``: a transfer id the leg asks prefill to hold the KV under where that engine's
+        address is known (so :meth:`prefill_leg` can free it); elsewhere it is not named."""
+
+        def leg(upstream: Upstream) -> Awaitable[httpx.Response]:
+            choice = self.prefill_ranks.choose(upstream.url)
+            asked = json_body.get("kv_transfer_params")
+            if held_as is None or choice.address is None or not isinstance(asked, dict):
+                return self.prefill_leg(upstream, choice, path, headers, json_body)
+            body = {**json_body, "kv_transfer_params": {**asked, TRANSFER_ID_KEY: held_as}}
+            return self.prefill_leg(upstream, choice, path, headers, body, held_as)
+
+        return await self._upstreams.first_that_connects(self._prefill, "POST", path, leg)
 
     async def open_prefill(
         self,

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from ..handoff import new_transfer_id
 from .balancer import Upstream
 from .bodies import decode_body, serial_prefill_body
 from .client_request import ClientRequest
@@ -31,10 +32,16 @@ class SerialRoute:
         self.pool = pool
 
     async def run(self, request: ClientRequest) -> Response:
-        """Prefill first; then decode, with the block ids prefill answered."""
+        """Prefill first; then decode, with the block ids prefill answered. Where the proxy
+        knows where the engine serves its KV, prefill holds it under a transfer id of the
+        proxy's, so a client that hangs up before prefill's answer is read frees that hold."""
         request.trace.mark("prefill_sent")
+        transfer_id = new_transfer_id(request.request_id)
         prefill_upstream, prefill_response = await self.pool.fetch_prefill(
-            request.path, request.headers, serial_prefill_body(request.body)
+            request.path,
+            request.headers,
+            serial_prefill_body(request.body),
+            held_as=transfer_id,
         )
         request.trace.mark("prefill_answered")
         if not prefill_response.is_success:
