@@ -83,7 +83,9 @@ class _Lane:
     attempts: int = 0
     tag: bytes | None = None  # the outstanding exchange's tag (None: none outstanding)
     error: Exception | None = None  # the last attempt's failure
-    due: float = 0.0  # the lane's one timer: an exchange's timeout, a back-off's end, idle end
+    #: the lane's one timer (an exchange's timeout, a back-off's end, its idle end): the heap
+    #: entry's sequence number; an entry with another one was superseded
+    timer: int = -1
     last_active: float = 0.0
 
 
@@ -109,7 +111,7 @@ class ReadDoneNotifier:
         #: peers with a lane: made, and given notices, by :meth:`send`; ended by the thread
         self._lanes: dict[_Peer, _Lane] = {}
         self._by_socket: dict[zmq.Socket, _Lane] = {}
-        self._timers: list[tuple[float, int, _Peer]] = []  # (due, seq, peer), a heap
+        self._timers: list[tuple[float, int, _Peer]] = []  # (when, seq, peer), a heap
         self._seq = itertools.count()
         self._tags = itertools.count()
         #: sockets opened so far (connections made; for tests and metrics)
@@ -198,8 +200,8 @@ class ReadDoneNotifier:
         return max(0, int((self._timers[0][0] - time.monotonic()) * 1000) + 1)
 
     def _schedule(self, lane: _Lane, when: float) -> None:
-        lane.due = when
-        heapq.heappush(self._timers, (when, next(self._seq), lane.peer))
+        lane.timer = next(self._seq)
+        heapq.heappush(self._timers, (when, lane.timer, lane.peer))
 
     def _queue(self, peer: _Peer, now: float) -> None:
         """``peer``'s lane got a notice: start it unless one is under way."""
@@ -209,9 +211,9 @@ class ReadDoneNotifier:
 
     def _fire_timers(self, now: float) -> None:
         while self._timers and self._timers[0][0] <= now:
-            when, _, peer = heapq.heappop(self._timers)
+            _, seq, peer = heapq.heappop(self._timers)
             lane = self._lanes.get(peer)
-            if lane is None or lane.due != when:
+            if lane is None or lane.timer != seq:
                 continue  # superseded
             try:
                 self._fire(lane, now)

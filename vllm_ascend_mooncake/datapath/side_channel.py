@@ -647,8 +647,8 @@ class SideChannelClient:
     def close(self) -> None:
         """Refuse new exchanges and close the sockets of the calling thread and of threads that
         ended. A thread still running keeps its socket open until it calls
-        :meth:`close_thread_sockets` (the notifier's lanes do as they end): closing a socket that
-        another thread may be polling is not allowed in ZMQ."""
+        :meth:`close_thread_sockets` or ends (then reaped, see :data:`REAP_EVERY`): closing a
+        socket that another thread may be polling is not allowed in ZMQ."""
         with self._guard:
             self._closed = True
             current = threading.current_thread()
