@@ -77,6 +77,7 @@ class _Lane:
     #: the peer left a notice's every attempt unanswered (and has not answered since)
     silent: bool = False
     sock: zmq.Socket | None = None
+    polled: bool = False  # ``sock`` is in the poller (only while an exchange is outstanding)
     #: the notice being delivered (prefill rank, message), its attempts so far and allowed
     current: tuple[int, ReadDone] | None = None
     attempt: int = 0
@@ -260,6 +261,7 @@ class ReadDoneNotifier:
         try:
             sock = self._socket(lane)
             sock.send_multipart(self._client.request_frames(lane.current[1], lane.tag), zmq.NOBLOCK)
+            self._poll(lane, True)
         except BadAddress as exc:  # asking again would not help
             lane.error = exc
             lane.attempt = lane.attempts
@@ -319,6 +321,7 @@ class ReadDoneNotifier:
         except PeerRefused as exc:  # an answer: not asked again
             lane.error = exc
             lane.tag = None
+            self._poll(lane, False)
             self._gave_up(lane, answered=True)
             self._next(lane, now)
             return
@@ -337,6 +340,7 @@ class ReadDoneNotifier:
             )
         lane.tag = None
         lane.silent = False
+        self._poll(lane, False)
         self._next(lane, now)
 
     def _socket(self, lane: _Lane) -> zmq.Socket:
@@ -352,15 +356,27 @@ class ReadDoneNotifier:
         self.sockets_opened += 1
         lane.sock = sock
         self._by_socket[sock] = lane
-        self._poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _poll(self, lane: _Lane, polled: bool) -> None:
+        """Poll the lane's socket only while an exchange is outstanding on it: a poll round
+        then costs the peers awaited, not every peer notified within the idle window (a reply
+        to an attempt given up on waits in the socket until the next exchange, and is skipped
+        by its tag)."""
+        if lane.sock is None or lane.polled == polled:
+            return
+        if polled:
+            self._poller.register(lane.sock, zmq.POLLIN)
+        else:
+            self._poller.unregister(lane.sock)
+        lane.polled = polled
 
     def _close_socket(self, lane: _Lane) -> None:
         """Close the lane's socket (this thread only: it alone polls it). A socket ready in the
         current poll round is skipped by :meth:`_receive` once gone from ``_by_socket``."""
+        self._poll(lane, False)
         sock, lane.sock = lane.sock, None
         if sock is not None:
-            self._poller.unregister(sock)
             del self._by_socket[sock]
             sock.close()
 
