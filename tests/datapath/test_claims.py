@@ -217,9 +217,13 @@ def test_a_peer_refusing_the_message_fails_the_claim_with_its_reason(exchange) -
         server.close()
 
 
-def test_sockets_to_peers_that_no_claim_waits_on_are_closed_beyond_the_cap(exchange) -> None:
+def test_sockets_to_peers_that_no_claim_waits_on_are_closed_beyond_the_cap(
+    exchange, monkeypatch
+) -> None:
     """Prefill workers come and go (rollouts): the exchange keeps at most MAX_IDLE_SOCKETS
-    sockets to peers nobody waits on, so the ZMQ context's 1,023 are never exhausted."""
+    sockets to peers nobody waits on, so the ZMQ context's sockets are never exhausted (the
+    default cap is a share of the process's socket budget; a small one here)."""
+    monkeypatch.setattr(claims_module, "MAX_IDLE_SOCKETS", 8)
     peers = [GrantWhenReady() for _ in range(claims_module.MAX_IDLE_SOCKETS + 6)]
     try:
         for index, peer in enumerate(peers):

@@ -161,22 +161,21 @@ def test_a_silent_peers_backlog_gets_one_attempt_per_notice_until_it_answers(cli
         prefill.close()
 
 
-def test_lane_threads_leave_no_socket_open_behind_them(client) -> None:
-    """Each burst of notices to a peer apart by more than idle_s runs on a new thread: a
-    thread's sockets are closed when it ends, or a long-running decode would fill the ZMQ context
-    (1,023 sockets)."""
+def test_lanes_leave_no_socket_open_behind_them(client) -> None:
+    """Each burst of notices to a peer apart by more than idle_s opens a new lane: a lane's
+    socket is closed when it ends, or a long-running decode would fill the ZMQ context."""
     prefill = Prefill()
     prefill.start()
     notifier = ReadDoneNotifier(client, attempts=2, backoff_s=0.05, idle_s=0.01)
     try:
-        for i in range(30):  # 30 bursts, 30 threads
+        for i in range(30):  # 30 bursts, 30 lanes
             notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
             wait_until(
                 lambda i=i: len(prefill.received) == i + 1 and not notifier._lanes,
                 f"notice r{i} is delivered and its lane thread ends",
             )
-        # the last thread closes its socket as it ends
-        wait_until(lambda: not client._all_sockets, "every lane thread's socket is closed")
+        # the last lane closes its socket as it ends
+        assert notifier.num_sockets == 0 and notifier.sockets_opened == 30
     finally:
         notifier.shutdown()
         prefill.close()
@@ -235,25 +234,16 @@ def test_notices_to_a_peer_reuse_one_thread_and_one_connection(client) -> None:
     1,000 notices 4 ms apart), each closed one left in TIME_WAIT for 60 s."""
     prefill = Prefill()
     prefill.start()
+    threads_before = {t for t in threading.enumerate() if t.name.startswith("vam-notify")}
     notifier = ReadDoneNotifier(client, idle_s=30.0)
-    threads: set[threading.Thread] = set()
-    sockets: set[zmq.Socket] = set()
-    request = client.request
-
-    def recorded(host, port, message):
-        threads.add(threading.current_thread())
-        reply = request(host, port, message)
-        sockets.update(client._all_sockets)
-        return reply
-
-    client.request = recorded
     try:
         for i in range(20):
             notifier.send("127.0.0.1", prefill.port, 0, done(f"r{i}"))
             wait_until(lambda i=i: len(prefill.received) == i + 1, f"notice {i} is delivered")
             time.sleep(0.02)  # the lane runs dry between notices
         assert prefill.received == [f"r{i}" for i in range(20)]
-        assert len(threads) == 1 and len(sockets) == 1
+        threads = {t for t in threading.enumerate() if t.name.startswith("vam-notify")}
+        assert len(threads - threads_before) == 1 and notifier.sockets_opened == 1
     finally:
         notifier.shutdown()
         prefill.close()
@@ -276,7 +266,7 @@ def test_an_idle_lane_ends_and_closes_its_socket(client) -> None:
         waiting.shutdown()
         wait_until(lambda: not waiting._lanes, "shutdown ends the waiting lane")
         assert time.monotonic() - started < 5.0
-        wait_until(lambda: not client._all_sockets, "the lanes' threads closed their sockets")
+        assert idle.num_sockets == 0 and waiting.num_sockets == 0, "the lanes closed theirs"
     finally:
         idle.shutdown()
         waiting.shutdown()

@@ -319,16 +319,15 @@ def test_a_regions_head_group_travels_and_an_older_peer_reads_as_the_models() ->
 def test_a_client_keeps_a_bounded_number_of_sockets_however_many_peers_it_met() -> None:
     """Prefill endpoints come and go (rollouts, #27 row 6): past the ZMQ context's 1,023 sockets
     every pull to a new prefill would fail; the least recently used peer's socket is closed."""
-    from vllm_ascend_mooncake.datapath.side_channel import MAX_PEER_SOCKETS_PER_THREAD
-
+    cap = 16  # the default is a share of the process's socket budget (thousands)
     port = free_port_range(1)
     server = SideChannelServer("127.0.0.1", port, lambda message: Ack())
-    client = SideChannelClient(timeout_s=5)
+    client = SideChannelClient(timeout_s=5, max_peer_sockets=cap)
     try:
         unused = free_port_range(1)  # loopback addresses only; nothing listens there
-        for i in range(8 * MAX_PEER_SOCKETS_PER_THREAD):  # past the cap, not the fd limit
+        for i in range(8 * cap):  # past the cap, not the fd limit
             client._socket((f"127.0.{i // 250 + 1}.{i % 250 + 1}", unused))
-            assert len(client._all_sockets) <= MAX_PEER_SOCKETS_PER_THREAD
+            assert len(client._all_sockets) <= cap
         assert client.request("127.0.0.1", port, GetMetadata()) == Ack()
     finally:
         client.close()

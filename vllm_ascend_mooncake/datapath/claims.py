@@ -25,7 +25,9 @@ the exchange closes: every claim outstanding or made later fails at once instead
 Sockets do not grow with the prefill workers ever claimed from (pods replaced under new
 addresses): a socket no claim waits on is closed once unused for :data:`IDLE_SOCKET_S` (a
 replaced pod's with it, instead of reconnecting to a dead address for ever), and the least
-recently used beyond :data:`MAX_IDLE_SOCKETS` sooner. Sockets are kept in order of last use, so
+recently used beyond :data:`MAX_IDLE_SOCKETS` sooner: a share of the process's socket budget
+(:func:`~.side_channel.peer_socket_cap`), so a steady stream over many prefill workers keeps one
+connection to each instead of reconnecting per claim. Sockets are kept in order of last use, so
 finding the idle ones looks at the oldest only.
 """
 
@@ -51,6 +53,7 @@ from .side_channel import (
     SideChannelError,
     check_address,
     connect_dealer,
+    peer_socket_cap,
     refusal_checked,
 )
 from .wire import ClaimRead, ClaimReply, Message
@@ -59,8 +62,10 @@ logger = get_logger(__name__)
 
 #: How often waiting claims are checked for cancellation and deadlines.
 TICK_S = 0.05
-#: Sockets to prefill workers without a claim outstanding kept open (least recently used go).
-MAX_IDLE_SOCKETS = 16
+#: Sockets to prefill workers without a claim outstanding kept open (least recently used go);
+#: 0: :func:`~.side_channel.peer_socket_cap`, a share of the process's socket budget. A fixed 16
+#: made nearly every claim over more than 16 prefill workers open a new connection.
+MAX_IDLE_SOCKETS = 0
 #: A socket to a prefill worker no claim used for this long is closed (no claim waits on it).
 IDLE_SOCKET_S = 30.0
 
@@ -104,6 +109,7 @@ class ClaimExchange:
         """``idle_s``: how long an unused socket is kept (None: :data:`IDLE_SOCKET_S`)."""
         self._client = client
         self._idle_s = IDLE_SOCKET_S if idle_s is None else idle_s
+        self._max_idle_sockets = peer_socket_cap()
         self._attempts = attempts
         self._first_poll_s, self._longest_poll_s = poll_s
         self._context = client.context
@@ -367,11 +373,12 @@ class ClaimExchange:
             return
         stale_before = time.monotonic() - self._idle_s
         oldest = next(iter(self._sockets))
-        if len(self._sockets) <= MAX_IDLE_SOCKETS and self._used[oldest] >= stale_before:
+        cap = MAX_IDLE_SOCKETS or self._max_idle_sockets
+        if len(self._sockets) <= cap and self._used[oldest] >= stale_before:
             return
         busy = {claim.peer for claim in self._claims}
         for peer in list(self._sockets):
-            if len(self._sockets) <= MAX_IDLE_SOCKETS and self._used[peer] >= stale_before:
+            if len(self._sockets) <= cap and self._used[peer] >= stale_before:
                 return  # every later one was used more recently
             if peer not in busy:
                 sock = self._sockets.pop(peer)

@@ -19,11 +19,23 @@ heartbeat: a connection that answers no ZMTP ping within :data:`HEARTBEAT_TIMEOU
 so a decode fleet whose pods are replaced leaves no half-open connection (and its descriptor) on
 prefill. The client's sockets do not grow with the peers ever asked (pods replaced under new
 addresses): a thread's socket to a peer it has not asked for :data:`IDLE_PEER_SOCKET_S` is
-closed at that thread's next exchange, at most :data:`MAX_PEER_SOCKETS_PER_THREAD` are kept per
-thread (least recently used go first), a metadata fetch (once per peer) keeps none, and the
+closed at that thread's next exchange, at most ``max_peer_sockets`` are kept per thread (least
+recently used go first), a metadata fetch (once per peer) keeps none, and the
 sockets of threads that ended without closing theirs are closed by the next thread that opens
 one (every :data:`REAP_EVERY` sockets opened). Each check looks at the oldest sockets only, so an
 exchange costs O(1) whatever the number of peers.
+
+Socket bounds. Every side-channel socket of the process comes from :func:`zmq_context`, whose
+``MAX_SOCKETS`` is half the process's soft ``RLIMIT_NOFILE`` (a connected socket holds two
+descriptors), never below ZMQ's default 1,023 nor above 65,535: with ZMQ's default a decode worker
+pulling from ~1,000 prefill workers ran out (a claims socket and a notice socket per recently
+used peer). Each per-peer cache (a client thread's, the claims exchange's) keeps at most a
+:data:`PEER_CACHE_SHARE`-th of that (:func:`peer_socket_cap`; 2,500 under a 20,000 descriptor
+limit), so a cache is bounded by the descriptor budget while its idle window, not its size, is
+what closes sockets under a steady stream over many peers: a 16-entry LRU made every pull over
+more than 16 peers reconnect (0.83 new connections per pull at 128 peers, each left in TIME_WAIT
+for 60 s). vLLM raises the soft descriptor limit at start-up; under a low one (1,024) the cap
+stays at 1,023 and the descriptor limit is the bound.
 
 With a shared secret (``side_channel_secret``, or ``VAM_SIDE_CHANNEL_SECRET`` in the environment of
 both instances) every message carries an HMAC-SHA256 of its bytes as an extra frame, requests and
@@ -107,6 +119,57 @@ class FrameSigner:
         return hmac.new(self._secret, direction + payload, hashlib.sha256).digest()
 
 
+#: The ZMQ context's socket cap is never set below ZMQ's default (1,023) ...
+MIN_MAX_SOCKETS = 1023
+#: ... nor above this (libzmq's own limit may be lower still).
+MAX_MAX_SOCKETS = 65535
+#: Per-peer socket caches (each thread's in the client, the claims exchange's) keep at most this
+#: fraction of the context's sockets: the caches, the notifier's lanes and the servers share it.
+PEER_CACHE_SHARE = 4
+
+_context: zmq.Context | None = None
+_context_lock = threading.Lock()
+
+
+def socket_budget() -> int:
+    """How many sockets the side-channel context may hold: half the process's file-descriptor
+    limit (``RLIMIT_NOFILE``, soft), since a connected socket holds two descriptors (its mailbox
+    and its TCP connection), at least ZMQ's default 1,023 and at most :data:`MAX_MAX_SOCKETS`."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return MIN_MAX_SOCKETS
+    if soft == resource.RLIM_INFINITY:
+        soft = 2 * MAX_MAX_SOCKETS
+    return max(MIN_MAX_SOCKETS, min(MAX_MAX_SOCKETS, soft // 2))
+
+
+def zmq_context() -> zmq.Context:
+    """The ZMQ context of every side-channel socket of this process (servers, client, claims,
+    notices): its own, not ``zmq.Context.instance()``, because ZMQ fixes a context's socket cap
+    (``MAX_SOCKETS``, 1,023 by default) when its first socket is made, and another library may
+    have made one on the shared instance already. Its cap is :func:`socket_budget`: a decode
+    worker pulling from ~1,000 prefill workers keeps a claims socket and a notice socket to each
+    of those it used recently, which the default cap ran out of (EMFILE on new sockets)."""
+    global _context
+    with _context_lock:
+        if _context is None or _context.closed:
+            context = zmq.Context()
+            budget = socket_budget()
+            with contextlib.suppress(zmq.ZMQError, AttributeError):
+                budget = min(budget, context.get(zmq.SOCKET_LIMIT))
+            context.set(zmq.MAX_SOCKETS, budget)
+            _context = context
+        return _context
+
+
+def peer_socket_cap() -> int:
+    """The most sockets one per-peer cache keeps (see :data:`PEER_CACHE_SHARE`)."""
+    return max(16, zmq_context().get(zmq.MAX_SOCKETS) // PEER_CACHE_SHARE)
+
+
 def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -144,7 +207,7 @@ def check_address(host: str, port: int) -> None:
 def connect_dealer(sock: zmq.Socket, host: str, port: int) -> None:
     """Set a new DEALER socket up and connect it to ``host:port``'s side channel. A
     ``zmq.ZMQError`` leaves the socket to the caller to close: it counts against the ZMQ
-    context's 1,023 until then."""
+    context's cap until then."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     if ":" in host:
@@ -208,7 +271,7 @@ class SideChannelServer:
     ):
         self._signer = FrameSigner(secret) if secret else None
         self._unauthenticated = 0
-        self._context = zmq.Context.instance()
+        self._context = zmq_context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A larger frame makes ZMQ drop that peer's connection before buffering it.
@@ -409,8 +472,11 @@ def _split_request(frames: list[bytes]) -> tuple[Route, bytes, bytes | None] | N
     return None
 
 
-#: Sockets one thread keeps open to distinct peers (see :meth:`SideChannelClient._socket`).
-MAX_PEER_SOCKETS_PER_THREAD = 16
+#: Sockets one thread keeps open to distinct peers (see :meth:`SideChannelClient._socket`); 0:
+#: :func:`peer_socket_cap`, a share of the context's sockets. A fixed 16 made a thread asking
+#: more than 16 peers in turn reconnect at nearly every exchange (a fleet simulation's decode
+#: worker: 0.83 new TCP connections per pull at 128 prefill peers, each left in TIME_WAIT).
+MAX_PEER_SOCKETS_PER_THREAD = 0
 #: A thread's socket to a peer it has not asked for this long is closed at its next exchange.
 IDLE_PEER_SOCKET_S = 30.0
 #: Sockets opened between two looks for sockets of threads that ended.
@@ -427,14 +493,22 @@ class SideChannelClient:
     """
 
     def __init__(
-        self, timeout_s: float, secret: bytes | None = None, idle_s: float | None = None
+        self,
+        timeout_s: float,
+        secret: bytes | None = None,
+        idle_s: float | None = None,
+        max_peer_sockets: int | None = None,
     ) -> None:
         """``idle_s``: how long a thread keeps an unused socket (None:
-        :data:`IDLE_PEER_SOCKET_S`)."""
+        :data:`IDLE_PEER_SOCKET_S`); ``max_peer_sockets``: how many one thread keeps at most
+        (None: :data:`MAX_PEER_SOCKETS_PER_THREAD`, or :func:`peer_socket_cap` where that is
+        0)."""
         self._signer = FrameSigner(secret) if secret else None
         self._idle_s = IDLE_PEER_SOCKET_S if idle_s is None else idle_s
         self._opened = 0  # sockets opened since the last look for ended threads' sockets
-        self._context = zmq.Context.instance()
+        self._context = zmq_context()
+        #: sockets one thread keeps to distinct peers at most
+        self.max_peer_sockets = max_peer_sockets or MAX_PEER_SOCKETS_PER_THREAD or peer_socket_cap()
         self.timeout_s = timeout_s
         self._timeout_ms = int(timeout_s * 1000)
         self._local = threading.local()
@@ -445,8 +519,8 @@ class SideChannelClient:
 
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
         """This thread's socket to ``peer``; the least recently used one is closed past
-        :data:`MAX_PEER_SOCKETS_PER_THREAD`, so peers that went away (rollouts) cannot exhaust
-        the ZMQ context's sockets (1,023). Raises :class:`BadAddress` for an address that is
+        ``max_peer_sockets``, so peers that went away (rollouts) cannot exhaust the ZMQ
+        context's sockets. Raises :class:`BadAddress` for an address that is
         none (no socket is made) and ``zmq.ZMQError`` when ``connect`` fails (its socket
         closed)."""
         sockets: OrderedDict[tuple[str, int], zmq.Socket] = self._local.__dict__.setdefault(
@@ -466,7 +540,7 @@ class SideChannelClient:
             return sock
         host, port = peer
         check_address(host, port)
-        while len(sockets) >= MAX_PEER_SOCKETS_PER_THREAD:
+        while len(sockets) >= self.max_peer_sockets:
             self._drop(*sockets.popitem(last=False))
         with self._guard:
             if self._closed:
@@ -573,8 +647,8 @@ class SideChannelClient:
     def close(self) -> None:
         """Refuse new exchanges and close the sockets of the calling thread and of threads that
         ended. A thread still running keeps its socket open until it calls
-        :meth:`close_thread_sockets` (the notifier's lanes do as they end): closing a socket that
-        another thread may be polling is not allowed in ZMQ."""
+        :meth:`close_thread_sockets` or ends (then reaped, see :data:`REAP_EVERY`): closing a
+        socket that another thread may be polling is not allowed in ZMQ."""
         with self._guard:
             self._closed = True
             current = threading.current_thread()
