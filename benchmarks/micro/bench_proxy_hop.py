@@ -56,7 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, timeout_s: float = 30.0) -> None:
+def _wait_ready(url: str, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -109,6 +109,12 @@ def main() -> None:
         type=Path,
         help="also a proxy from this source tree (another checkout), its requests interleaved",
     )
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="an argument for this tree's proxy only (repeat), e.g. --proxy-arg=--no-access-log",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
@@ -123,7 +129,9 @@ def main() -> None:
     urls = {"direct": prefill} | {name: f"http://127.0.0.1:{ports[name]}" for name in trees}
     logs = {name: args.log_dir / f"bench_proxy_hop_{name}.log" for name in trees}
     servers = [
-        _start_proxy(tree, ports[name], prefill, decode, logs[name], [])
+        _start_proxy(
+            tree, ports[name], prefill, decode, logs[name], args.proxy_arg if tree == ROOT else []
+        )
         for name, tree in trees.items()
     ]
     stamps: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in trees}
