@@ -7,7 +7,9 @@ streamed: the default route's steady state) with ``sys.settrace``. Every call in
 of ``vllm_ascend_mooncake/proxy/`` and every return to one names the module execution is in;
 consecutive repeats collapse into one visit. Printed: the modules in order, their number, and
 the returns to a module already left (a visit to a module seen before, not just before), and
-which modules each module calls into (what a reader of that module must open).
+which modules each module calls into (what a reader of that module must open), counted twice:
+every "call" event (``sys.settrace`` reports a coroutine resumed after an ``await`` as a call
+too, so these include resumptions) and first entries only (calls between modules proper).
 
     PYTHONPATH=. python scripts/trace_proxy_route.py [--stream]
 """
@@ -53,6 +55,11 @@ class ModuleVisits:
         self.calls: list[str] = []
         #: (caller module, called module) -> calls, across modules only
         self.edges: dict[tuple[str, str], int] = {}
+        #: the same, first entries only: a coroutine or generator resumed after an ``await`` or
+        #: a ``yield`` (a "call" event for a frame seen before) is not counted
+        self.first_calls: dict[tuple[str, str], int] = {}
+        #: every frame entered, kept alive so that no new frame reuses a seen one's id
+        self._entered: dict[int, FrameType] = {}
 
     def _visit(self, module: str | None, called: bool = False) -> None:
         if module is not None and (not self.path or self.path[-1] != module):
@@ -64,8 +71,12 @@ class ModuleVisits:
         if event == "call":
             callee, caller = _module(frame), _module(frame.f_back)
             self._visit(callee, called=True)
+            resumed = self._entered.get(id(frame)) is frame
+            self._entered[id(frame)] = frame
             if callee is not None and caller is not None and callee != caller:
                 self.edges[caller, callee] = self.edges.get((caller, callee), 0) + 1
+                if not resumed:
+                    self.first_calls[caller, callee] = self.first_calls.get((caller, callee), 0) + 1
             return self.trace
         if event == "return":
             self._visit(_module(frame.f_back))
@@ -122,10 +133,14 @@ def main() -> None:
         print(f"returns to a module already left ({what}): {sum(returns.values())}")
         for module, count in sorted(returns.items(), key=lambda item: -item[1]):
             print(f"  {module}: {count}")
-    print("what each module calls in other modules (calls; a coroutine resumed counts too):")
-    for caller in sorted({caller for caller, _ in visits.edges}):
-        called = {c: n for (a, c), n in visits.edges.items() if a == caller}
-        print(f"  {caller} -> " + ", ".join(f"{c} {n}" for c, n in sorted(called.items())))
+    for title, edges in (
+        ("calls; a coroutine resumed counts too", visits.edges),
+        ("first entries only: a coroutine resumed is no call", visits.first_calls),
+    ):
+        print(f"what each module calls in other modules ({title}): {sum(edges.values())}")
+        for caller in sorted({caller for caller, _ in edges}):
+            called = {c: n for (a, c), n in edges.items() if a == caller}
+            print(f"  {caller} -> " + ", ".join(f"{c} {n}" for c, n in sorted(called.items())))
 
 
 if __name__ == "__main__":

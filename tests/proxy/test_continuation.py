@@ -30,6 +30,7 @@ from vllm_ascend_mooncake.proxy.continuable import (
     REASON_LABELS,
     blocker,
 )
+from vllm_ascend_mooncake.proxy.formats.token_texts import text_shows_whole
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -277,6 +278,32 @@ def test_a_first_token_that_is_part_of_a_character_is_sampled_again_by_decode(
     assert engines.decode.bad_continuations == []
     metrics = proxy.get("/metrics").text
     assert 'vam_proxy_decode_first_tokens_total{reason="partial character"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_whole_token_of_a_text_prompt_is_not_asked_about(
+    engines: Engines, proxy: httpx.Client, path: str
+) -> None:
+    """Prefill's text of its token shows it whole (text_shows_whole): no /detokenize question
+    on the way to the first token; the answer is colocated's, continued on decode."""
+    body = body_for(path, stream=True)
+    same_answer(path, proxy.post(path, json=body), colocated(engines, path, body), True)
+    assert [r for r in engines.prefill.received if r.path == "/detokenize"] == []
+    (decode_leg,) = engines.decode.generation_requests()
+    assert "prompt_token_ids" in decode_leg.body["kv_transfer_params"] or isinstance(
+        decode_leg.body.get("prompt"), list
+    )  # continued from prefill's token
+    assert engines.decode.bad_continuations == []
+
+
+def test_text_shows_whole_only_for_one_token_of_a_text_prompt() -> None:
+    text_prompt, ids_prompt, chat = {"prompt": "Hi"}, {"prompt": [1, 2, 3]}, {"messages": []}
+    assert text_shows_whole("w7 ", 1, text_prompt)
+    assert text_shows_whole("w7 ", 1, chat)
+    assert not text_shows_whole("w7 ", 1, ids_prompt)  # may end inside a character
+    assert not text_shows_whole("w7 w8 ", 2, text_prompt)  # says nothing of the last alone
+    assert not text_shows_whole("", 1, text_prompt)  # held back: part of a character, or empty
+    assert not text_shows_whole("a\ufffd", 1, text_prompt)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -302,6 +302,8 @@ class LocalDeployment(StartedInContext):
                 self.prefill.base_url,
                 "--decode",
                 self.decode.base_url,
+                # as its vLLM instances (--disable-uvicorn-access-log): no line per request
+                "--no-access-log",
                 *proxy_args,
             ],
             log_path,

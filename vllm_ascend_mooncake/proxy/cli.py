@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and doubles per ejection in a row); default %(default)g",
     )
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    parser.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no uvicorn access line per request (vLLM's --disable-uvicorn-access-log): it is "
+        "written when an answer starts, before its first byte",
+    )
     return parser
 
 
@@ -181,6 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":
+        # httpx logs every upstream request at INFO ("HTTP Request: POST ..."), two of them on
+        # the way to a continued request's first token (the prefill leg, /detokenize), each
+        # written before the proxy goes on (issue #46, benchmarks/README.md). Its warnings stay.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         app = create_app(
             args.prefill,
@@ -201,5 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(__name__).error("%s", error)
         return 2
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+    )
     return 0

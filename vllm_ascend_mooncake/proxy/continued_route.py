@@ -49,7 +49,7 @@ from .formats.prefill_answer import (
     kv_transfer_params_from_prefill,
 )
 from .formats.splice import DONE, ContinuationMismatch, Splice, error_event
-from .formats.token_texts import TokenTexts
+from .formats.token_texts import TokenTexts, text_shows_whole
 from .metrics import ProxyMetrics
 from .model_limits import ModelLimits
 from .pool import InstancePool
@@ -302,8 +302,11 @@ class ContinuedRoute:
             return None, True  # the answer is prefill's token (vLLM clamps max_tokens to it)
         if first.chat and not self.pool.chat_prompt_ids(prefill_upstream):
             return "chat on vLLM before 0.30", False  # its decode would render the messages
-        if not await self.token_texts.whole_characters(
-            prefill_upstream.url, request.body.get("model"), first.token_ids[-1]
+        if not (
+            text_shows_whole(first.text, len(first.token_ids), request.body)
+            or await self.token_texts.whole_characters(
+                prefill_upstream.url, request.body.get("model"), first.token_ids[-1]
+            )
         ):
             return "partial character", False  # decode's prompt would end in one
         return None, False
