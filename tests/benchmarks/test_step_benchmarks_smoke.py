@@ -15,15 +15,16 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_scheduler_reports_every_step_cost(tmp_path: Path) -> None:
-    out = tmp_path / "scheduler.json"
+def run_benchmark(module: str, requests: int, tmp_path: Path) -> dict:
+    """Run ``benchmarks.micro.<module>`` with ``requests`` in flight; its JSON results."""
+    out = tmp_path / f"{module}.json"
     subprocess.run(
         [
             sys.executable,
             "-m",
-            "benchmarks.micro.bench_scheduler",
+            f"benchmarks.micro.{module}",
             "--requests",
-            "40",
+            str(requests),
             "--json",
             str(out),
         ],
@@ -33,7 +34,12 @@ def test_bench_scheduler_reports_every_step_cost(tmp_path: Path) -> None:
         timeout=300,
     )
     results = json.loads(out.read_text())
-    assert results["requests_in_flight"] == 40
+    assert results["requests_in_flight"] == requests
+    return results
+
+
+def test_bench_scheduler_reports_every_step_cost(tmp_path: Path) -> None:
+    results = run_benchmark("bench_scheduler", 40, tmp_path)
     for key in (
         "prefill_request_finished_us_per_request",
         "decode_match_and_alloc_us_per_request",
@@ -45,24 +51,7 @@ def test_bench_scheduler_reports_every_step_cost(tmp_path: Path) -> None:
 
 
 def test_bench_worker_step_reports_both_sides(tmp_path: Path) -> None:
-    out = tmp_path / "worker.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.micro.bench_worker_step",
-            "--requests",
-            "300",
-            "--json",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    results = json.loads(out.read_text())
-    assert results["requests_in_flight"] == 300
+    results = run_benchmark("bench_worker_step", 300, tmp_path)
     for key in (
         "prefill_hold_us_per_request",
         "prefill_claim_us_per_request",
