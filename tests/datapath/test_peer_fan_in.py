@@ -12,6 +12,7 @@ opened a new TCP connection (0.83 per pull at 128 peers).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -134,6 +135,27 @@ def test_the_side_channel_context_holds_more_than_1023_sockets() -> None:
         for sock in sockets:
             sock.close(linger=0)
         client.close()
+
+
+def test_a_forked_child_makes_a_side_channel_context_of_its_own() -> None:
+    """A ZMQ context does not survive a fork (``zmq.Context.instance()`` checks the process id
+    for that reason): a child of a process that made the side channel's context gets a new one
+    with the same cap, and can make sockets in it."""
+    parent = side_channel.zmq_context()
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit code only
+        code = 1
+        try:
+            child = side_channel.zmq_context()
+            sock = child.socket(zmq.DEALER)
+            sock.close(linger=0)
+            same_cap = child.get(zmq.MAX_SOCKETS) == parent.get(zmq.MAX_SOCKETS)
+            code = 0 if child is not parent and same_cap else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert side_channel.zmq_context() is parent
 
 
 def test_a_steady_stream_over_64_peers_reuses_its_connections(connects) -> None:

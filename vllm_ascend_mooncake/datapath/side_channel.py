@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import os
 import re
 import threading
 import time
@@ -129,6 +130,18 @@ PEER_CACHE_SHARE = 4
 
 _context: zmq.Context | None = None
 _context_lock = threading.Lock()
+
+
+def _forget_context_in_child() -> None:
+    """A forked child makes a context of its own: a ZMQ context (and a lock another thread may
+    have held at the fork) does not survive a fork, which is why ``zmq.Context.instance()``
+    checks the process id too."""
+    global _context, _context_lock
+    _context = None
+    _context_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_context_in_child)
 
 
 def socket_budget() -> int:
