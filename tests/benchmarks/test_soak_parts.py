@@ -285,3 +285,8 @@ def test_excess_over_colocated_is_per_pd_instance() -> None:
     assert excess == {"prefill": pytest.approx(250.0), "proxy": pytest.approx(-100.0)}
     assert "prefill +250.0" in report.summary()
     assert soak.SoakReport(soak.SoakSettings(), None, [], "/tmp").excess_over_colocated() == {}
+
+    # colocated shrinking (its heap trimmed) is no growth P/D must beat: measured against zero
+    trimmed = clean_pd(name="colocated", samples=samples({"colocated engine-core": -0.4}))
+    report = soak.SoakReport(soak.SoakSettings(requests=100), None, [trimmed, pd], "/tmp")
+    assert report.excess_over_colocated()["prefill"] == pytest.approx(350.0)

@@ -7,7 +7,9 @@ on) through a colocated instance, then through P/D (TP 1 -> 1) behind the proxy.
 must be answered in full; both engines alive and holding no KV block once settled; every
 request pulled once, no pull failed and no block released by timeout. And each P/D instance's
 RSS (prefill, decode, proxy: all processes of each summed), fitted over the last 300 requests,
-must grow at most ``BOUND_MIB_PER_1000`` MiB per 1,000 requests faster than colocated's.
+must grow at most ``BOUND_MIB_PER_1000`` MiB per 1,000 requests faster than colocated's
+(colocated's counted from zero: its heap shrinking in the window is no growth to beat, see
+``SoakReport.excess_over_colocated``).
 
 Why oneDNN's primitive cache is off here (``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``): vLLM's CPU
 linear layers are oneDNN matmuls, and oneDNN caches one primitive per shape (up to 1,024), the
