@@ -33,10 +33,9 @@ and CI runs did (prefill +70 against a colocated trim of -42, then prefill +101 
 colocated -5). With the threshold fixed, prefill's engine core started 52 MiB lower and grew
 +3.3 and +3.3 over the same 1,500 requests (colocated +3.1 and +0.4); four 600-request runs of
 this test measured prefill's excess at +0.3, -6.0, +3.2 and -5.8 (2026-12-07, 2-core EPYC). A
-leak still shows:
-a buffer kept is resident whether mmapped or not, and small objects kept grow the heap or
-Python's arenas. The threshold costs time (every large temporary is a fresh mapping): P/D's
-600 requests took 31-52 s here instead of ~25.
+leak still shows: a buffer kept is resident whether mmapped or not, and small objects kept grow
+the heap or Python's arenas. The threshold costs time (every large temporary is a fresh
+mapping): P/D's 600 requests took 31-52 s here instead of ~25.
 
 Why a 200-request warm-up: measured before the threshold was fixed, an instance that prefills
 settled over its first ~300 requests (with a 32-request warm-up prefill +50, colocated +11); the
